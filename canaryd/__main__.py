@@ -1,0 +1,3 @@
+from canaryd.cli import main
+
+main()

@@ -1,0 +1,282 @@
+"""Any OpenAI-compatible API (OpenAI, OpenRouter, Together, SGLang, llama.cpp server, vLLM …).
+
+Requests go through the official ``openai`` client with ``max_retries=0`` and explicit timeouts: a
+canary must see every failure, not have the SDK retry it away. We read the raw JSON ourselves so a
+malformed body becomes a named error instead of a half-filled object.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx2
+import openai
+
+from canaryd.backends import BackendUnavailable
+from canaryd.canaries import Canary
+from canaryd.config import BackendConfig
+from canaryd.observation import ErrorKind, Observation, TokenLogprob
+from canaryd.store import utcnow
+
+# Response headers worth keeping with each observation (never credentials or cookies).
+RECORDED_HEADERS = (
+    "server",
+    "openai-version",
+    "openai-processing-ms",
+    "openai-model",
+    "x-request-id",
+    "retry-after",
+    "via",
+)
+# Headers that identify the serving side; they join the stack snapshot, so they must be stable per stack.
+IDENTITY_HEADERS = ("server", "openai-version", "openai-model", "x-openrouter-provider")
+
+
+def _keep_header(name: str) -> bool:
+    return name in RECORDED_HEADERS or name.startswith("x-ratelimit-")
+
+
+class InvalidResponse(Exception):
+    """The server answered 2xx with a body we cannot use; the message names the field."""
+
+
+def _field(obj: Any, *path: str | int) -> Any:
+    """``obj[path0][path1]…`` with an `InvalidResponse` naming the missing or mistyped field."""
+    cur = obj
+    for i, key in enumerate(path):
+        try:
+            cur = cur[key]
+        except (KeyError, IndexError, TypeError):
+            name = ".".join(str(p) for p in path[: i + 1])
+            raise InvalidResponse(f"response has no field {name}") from None
+    return cur
+
+
+def parse_chat(body: Any) -> tuple[str | None, list[TokenLogprob] | None]:
+    """Text and per-token logprobs of a chat completion (``None`` logprobs: the server sent none)."""
+    choice = _field(body, "choices", 0)
+    text = _field(choice, "message").get("content") if isinstance(choice.get("message"), dict) else None
+    if text is not None and not isinstance(text, str):
+        raise InvalidResponse("choices.0.message.content is not a string")
+    content = (choice.get("logprobs") or {}).get("content")
+    if content is None:
+        return text, None
+    ids = choice.get("token_ids")  # vLLM with return_token_ids
+    tokens = []
+    for i, c in enumerate(content):
+        try:
+            tokens.append(
+                TokenLogprob(
+                    token=str(c["token"]),
+                    logprob=float(c["logprob"]),
+                    token_id=int(ids[i]) if isinstance(ids, list) and i < len(ids) else None,
+                    bytes=tuple(int(b) for b in c["bytes"]) if c.get("bytes") is not None else None,
+                    top=tuple((str(t["token"]), float(t["logprob"])) for t in c.get("top_logprobs") or ()),
+                )
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise InvalidResponse(f"choices.0.logprobs.content.{i}: malformed ({e!r})") from None
+    return text, tokens
+
+
+def parse_completion(body: Any) -> tuple[str | None, list[TokenLogprob] | None]:
+    """Text and per-token logprobs of a legacy completion (``logprobs`` as parallel lists)."""
+    choice = _field(body, "choices", 0)
+    text = choice.get("text")
+    lp = choice.get("logprobs")
+    if not lp or lp.get("tokens") is None:
+        return text, None
+    ids = choice.get("token_ids")
+    try:
+        tops = lp.get("top_logprobs") or [None] * len(lp["tokens"])
+        return text, [
+            TokenLogprob(
+                token=str(tok),
+                logprob=float(val),
+                token_id=int(ids[i]) if isinstance(ids, list) and i < len(ids) else None,
+                top=tuple((str(t), float(v)) for t, v in (top or {}).items()),
+            )
+            for i, (tok, val, top) in enumerate(zip(lp["tokens"], lp["token_logprobs"], tops, strict=True))
+        ]
+    except (KeyError, TypeError, ValueError) as e:
+        raise InvalidResponse(f"choices.0.logprobs: malformed ({e!r})") from None
+
+
+def request_hash(body: dict) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class OpenAICompatBackend:
+    """Kind ``openai``: the serving side is known only by what responses say about themselves."""
+
+    kind = "openai"
+
+    def __init__(self, cfg: BackendConfig) -> None:
+        self.cfg = cfg
+        self.name = cfg.name
+        self.concurrency = cfg.concurrency
+        self._key = cfg.api_key()
+        timeout = httpx2.Timeout(cfg.timeout_s, connect=cfg.connect_timeout_s)
+        self.http = httpx2.Client(
+            timeout=timeout,
+            limits=httpx2.Limits(max_connections=cfg.concurrency + 2),
+            headers={"Authorization": f"Bearer {self._key}"} if self._key else {},
+        )
+        self.client = openai.OpenAI(
+            base_url=cfg.base_url,
+            api_key=self._key or "unused",  # the SDK insists on a value; keyless servers ignore it
+            max_retries=0,
+            timeout=timeout,
+            http_client=self.http,
+        )
+
+    def close(self) -> None:
+        self.client.close()
+
+    # -- the stack ----------------------------------------------------------------------------------
+    def snapshot(self) -> dict[str, str]:
+        return {"backend.kind": self.kind, "request.model": self.cfg.model}
+
+    def response_stack(self, body: dict, headers: httpx2.Headers) -> dict[str, str]:
+        """Per-response serving facts: they join the backend snapshot in the observation's stack."""
+        fields = {
+            "response.model": str(body.get("model")),
+            "response.system_fingerprint": str(body.get("system_fingerprint")),
+        }
+        if body.get("service_tier") is not None:
+            fields["response.service_tier"] = str(body["service_tier"])
+        fields.update({f"header.{h}": headers[h] for h in IDENTITY_HEADERS if h in headers})
+        return fields
+
+    # -- probing ------------------------------------------------------------------------------------
+    def extra_params(self, canary: Canary) -> dict:
+        """Engine-specific request fields (none for the generic OpenAI API)."""
+        return {}
+
+    def request_body(self, canary: Canary) -> dict:
+        d = canary.decoding
+        body: dict[str, Any] = {
+            "model": self.cfg.model,
+            "temperature": d.temperature,
+            "top_p": d.top_p,
+            "max_tokens": d.max_tokens,
+            "n": 1,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+        }
+        if d.seed is not None:
+            body["seed"] = d.seed
+        if d.stop:
+            body["stop"] = list(d.stop)
+        if canary.messages is not None:
+            body["messages"] = [m.model_dump() for m in canary.messages]
+            body["logprobs"] = True
+            body["top_logprobs"] = d.top_logprobs
+        else:
+            body["prompt"] = canary.prompt
+            body["logprobs"] = d.top_logprobs
+        return {**body, **self.extra_params(canary)}
+
+    def probe(self, canary: Canary) -> Observation:
+        body = self.request_body(canary)
+        obs = Observation(
+            backend=self.name,
+            canary_id=canary.id,
+            suite=canary.suite,
+            started_at=utcnow(),
+            request=body,
+            request_hash=request_hash(body),
+        )
+        known = {
+            "model",
+            "messages",
+            "prompt",
+            "temperature",
+            "top_p",
+            "max_tokens",
+            "n",
+            "seed",
+            "stop",
+            "logprobs",
+            "top_logprobs",
+            "presence_penalty",
+            "frequency_penalty",
+        }
+        kwargs = {k: v for k, v in body.items() if k in known}
+        extra = {k: v for k, v in body.items() if k not in known}
+        endpoint = self.client.chat.completions if canary.messages is not None else self.client.completions
+        parse: Callable = parse_chat if canary.messages is not None else parse_completion
+        t0 = time.perf_counter()
+        try:
+            raw = endpoint.with_raw_response.create(**kwargs, extra_body=extra or None)
+            obs.latency_s = time.perf_counter() - t0
+            obs.headers = {k: v for k, v in raw.headers.items() if _keep_header(k.lower())}
+            try:
+                payload = json.loads(raw.text)
+            except ValueError as e:
+                raise InvalidResponse(f"body is not JSON ({e})") from None
+            if not isinstance(payload, dict):
+                raise InvalidResponse("body is not a JSON object")
+            text, tokens = parse(payload)
+            obs.text, obs.system_fingerprint = text, payload.get("system_fingerprint")
+            obs.response_model = payload.get("model")
+            obs.finish_reason = _field(payload, "choices", 0).get("finish_reason")
+            usage = payload.get("usage") or {}
+            obs.prompt_tokens, obs.completion_tokens = (
+                usage.get("prompt_tokens"),
+                usage.get("completion_tokens"),
+            )
+            obs.stack = self.response_stack(payload, raw.headers)
+            if tokens is None:
+                obs.error_kind, obs.error = ErrorKind.NO_LOGPROBS, "response carries no logprobs"
+            else:
+                obs.tokens = tokens
+        except InvalidResponse as e:
+            obs.error_kind, obs.error = ErrorKind.INVALID_RESPONSE, str(e)
+        except openai.APIError as e:
+            obs.error_kind, obs.error = classify(e), self.redact(_describe(e))
+        obs.latency_s = obs.latency_s or time.perf_counter() - t0
+        return obs
+
+    def redact(self, message: str) -> str:
+        """Belt and braces: a server that echoes our key back must not get it into the store."""
+        return message.replace(self._key, "<redacted>") if self._key else message
+
+    def request(self, method: str, url: str, **kwargs: Any) -> httpx2.Response:
+        """A raw call to an introspection endpoint; connection failures mean the backend is down."""
+        try:
+            r = self.http.request(method, url, **kwargs)
+        except httpx2.TimeoutException as e:
+            raise BackendUnavailable(
+                ErrorKind.TIMEOUT, f"{url}: timed out ({e.__class__.__name__})"
+            ) from None
+        except httpx2.TransportError as e:
+            raise BackendUnavailable(
+                ErrorKind.CONNECT, f"{url}: {self.redact(str(e)) or e.__class__.__name__}"
+            ) from None
+        r.raise_for_status()
+        return r
+
+
+def classify(e: openai.APIError) -> ErrorKind:
+    if isinstance(e, openai.APITimeoutError):
+        return ErrorKind.TIMEOUT
+    if isinstance(e, openai.APIConnectionError):
+        return ErrorKind.CONNECT
+    if isinstance(e, openai.RateLimitError):
+        return ErrorKind.RATE_LIMITED
+    if isinstance(e, openai.AuthenticationError | openai.PermissionDeniedError):
+        return ErrorKind.AUTH
+    if isinstance(e, openai.APIStatusError):
+        return ErrorKind.HTTP_5XX if e.status_code >= 500 else ErrorKind.HTTP_4XX
+    return ErrorKind.INVALID_RESPONSE  # e.g. APIResponseValidationError
+
+
+def _describe(e: openai.APIError) -> str:
+    if isinstance(e, openai.APIStatusError):
+        return f"HTTP {e.status_code}: {str(e.message)[:300]}"
+    return f"{e.__class__.__name__}: {str(e)[:300]}"

@@ -1,0 +1,186 @@
+"""Canary files: known-answer prompts with pinned decoding settings.
+
+A suite is one TOML file::
+
+    [suite]
+    name = "default"
+
+    [defaults]              # optional: decoding settings shared by every canary in the file
+    max_tokens = 16
+
+    [[canary]]
+    id = "arith-add"
+    messages = [{ role = "user", content = "What is 17 + 25? Answer with the number only." }]
+    expect = { number = 42 }
+
+Every decoding parameter has an explicit value that is always sent, because servers otherwise fill
+defaults from files (``generation_config.json``) that can change under you.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import tomllib
+from pathlib import Path
+from typing import Annotated, Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from canaryd.errors import InputError, describe_validation_error
+
+ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$"
+_NUMBER = re.compile(r"[-+]?\d+(?:[.,]\d+)?(?:[eE][-+]?\d+)?")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Message(_Strict):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class Decoding(_Strict):
+    temperature: Annotated[float, Field(ge=0, le=2)] = 0.0
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    max_tokens: Annotated[int, Field(ge=1, le=4096)] = 32
+    seed: int | None = 0
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] = 5
+    stop: tuple[str, ...] = ()
+
+
+class Expect(_Strict):
+    """The known answer. Exactly one of ``exact``, ``regex``, ``choices`` or ``number``.
+
+    ``answer`` is an optional reference text (shown in reports, and what the demo model is trained to
+    say); when given it must pass the check itself, which catches a mistyped pattern early.
+    """
+
+    answer: str | None = None
+    exact: str | None = None
+    regex: str | None = None
+    choices: tuple[str, ...] | None = None
+    number: float | None = None
+    tolerance: Annotated[float, Field(ge=0)] = 0.0
+    case_sensitive: bool = False
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> Self:
+        given = [k for k in ("exact", "regex", "choices", "number") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of exact, regex, choices, number (got {given or 'none'})")
+        if self.regex is not None:
+            try:
+                re.compile(self.regex)
+            except re.error as e:
+                raise ValueError(f"invalid regex: {e}") from None
+        if self.choices is not None and not self.choices:
+            raise ValueError("choices must not be empty")
+        if self.answer is not None and not self.check(self.answer):
+            raise ValueError(f"the reference answer {self.answer!r} does not pass the check")
+        return self
+
+    def check(self, text: str) -> bool:
+        """True when ``text`` is the known answer. Surrounding whitespace never matters."""
+        answer = text.strip()
+        if self.number is not None:
+            found = _NUMBER.search(answer)
+            return found is not None and abs(float(found.group().replace(",", ".")) - self.number) <= (
+                self.tolerance
+            )
+        if self.regex is not None:
+            flags = 0 if self.case_sensitive else re.IGNORECASE
+            return re.search(self.regex, answer, flags) is not None
+        fold = (lambda s: s) if self.case_sensitive else str.casefold
+        wanted = (self.exact,) if self.exact is not None else self.choices
+        return fold(answer) in {fold(w.strip()) for w in wanted or ()}
+
+
+class Canary(_Strict):
+    id: Annotated[str, Field(pattern=ID_PATTERN)]
+    description: str = ""
+    messages: tuple[Message, ...] | None = None
+    prompt: str | None = None
+    decoding: Decoding = Decoding()
+    expect: Expect | None = None
+    tags: tuple[str, ...] = ()
+    suite: str = ""
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> Self:
+        if (self.messages is None) == (self.prompt is None):
+            raise ValueError("give exactly one of messages (chat) or prompt (raw completion)")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages must not be empty")
+        return self
+
+    @property
+    def endpoint(self) -> Literal["chat", "completions"]:
+        return "chat" if self.messages is not None else "completions"
+
+    def prompt_hash(self) -> str:
+        body = [m.model_dump() for m in self.messages] if self.messages is not None else self.prompt
+        return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class Suite(_Strict):
+    name: str
+    path: Path
+    canaries: tuple[Canary, ...]
+
+
+class _SuiteHeader(_Strict):
+    name: Annotated[str, Field(pattern=ID_PATTERN)]
+    description: str = ""
+
+
+class _SuiteFile(_Strict):
+    suite: _SuiteHeader
+    defaults: Decoding | None = None
+    canary: Annotated[list[dict], Field(min_length=1)]
+
+
+def load_suite(path: Path) -> Suite:
+    """Parse and validate one canary file; any problem raises `InputError` naming file and field."""
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise InputError(f"{path}: cannot read canary file: {e.strerror or e}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"{path}: invalid TOML: {e}") from None
+    try:
+        head = _SuiteFile.model_validate(raw)
+    except ValidationError as e:
+        raise InputError(f"{path}: {describe_validation_error(e)}") from None
+    defaults = head.defaults.model_dump() if head.defaults else {}
+    canaries: list[Canary] = []
+    seen: set[str] = set()
+    for i, item in enumerate(head.canary):
+        where = f"canary[{i}]" + (f" (id {item['id']!r})" if isinstance(item.get("id"), str) else "")
+        try:
+            data = {**item, "suite": head.suite.name}
+            if isinstance(item.get("decoding", {}), dict):
+                data["decoding"] = {**defaults, **item.get("decoding", {})}
+            canary = Canary.model_validate(data)
+        except ValidationError as e:
+            raise InputError(f"{path}: {where}.{describe_validation_error(e)}") from None
+        if canary.id in seen:
+            raise InputError(f"{path}: {where}.id: duplicate canary id {canary.id!r}")
+        seen.add(canary.id)
+        canaries.append(canary)
+    return Suite(name=head.suite.name, path=path, canaries=tuple(canaries))
+
+
+def load_suites(paths: list[Path]) -> list[Suite]:
+    """Load several suites; canary ids must be unique across all of them (they key the history)."""
+    suites = [load_suite(p) for p in paths]
+    owner: dict[str, Path] = {}
+    for s in suites:
+        for c in s.canaries:
+            if c.id in owner:
+                raise InputError(f"{s.path}: canary id {c.id!r} already defined in {owner[c.id]}")
+            owner[c.id] = s.path
+    return suites

@@ -1,0 +1,190 @@
+"""Compare an observation with its baseline and classify it: pure functions, no I/O.
+
+Verdicts, most severe first (an observation gets the first that applies):
+
+``error``          the probe failed; nothing is judged (never a drift verdict).
+``regression``     the baseline answered correctly, this one does not.
+``answer-drift``   the generated tokens differ from the baseline's.
+``logprob-drift``  same tokens, but a logprob (chosen or top-k alternative) moved beyond tolerance,
+                   or the top-k set itself changed.
+``stack-change``   same tokens and logprobs, but the serving stack or prompt token count changed.
+``identical``      nothing measurable moved.
+``baseline``       no baseline existed for this canary × backend (or its request changed): this
+                   observation becomes it.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from canaryd.observation import Observation, TokenLogprob
+from canaryd.stack import FieldChange, diff
+
+
+class Verdict(enum.StrEnum):
+    ERROR = "error"
+    REGRESSION = "regression"
+    ANSWER_DRIFT = "answer-drift"
+    LOGPROB_DRIFT = "logprob-drift"
+    STACK_CHANGE = "stack-change"
+    IDENTICAL = "identical"
+    BASELINE = "baseline"
+
+    @property
+    def is_drift(self) -> bool:
+        return self in (Verdict.REGRESSION, Verdict.ANSWER_DRIFT, Verdict.LOGPROB_DRIFT, Verdict.STACK_CHANGE)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenDelta:
+    """Token-level agreement of two generations over their common prefix."""
+
+    first_divergence: int | None  # first index where tokens differ; None when all tokens agree
+    common_prefix: int
+    max_abs_dlogprob: float | None  # chosen tokens, over the common prefix
+    mean_abs_dlogprob: float | None
+    max_abs_dtop: float | None  # top-k alternatives present in both, over the common prefix
+    topk_overlap: float | None  # mean Jaccard overlap of the top-k token sets
+
+
+@dataclass(frozen=True, slots=True)
+class Comparison:
+    verdict: Verdict
+    correct: bool | None
+    baseline_correct: bool | None = None
+    text_identical: bool | None = None
+    delta: TokenDelta | None = None
+    prompt_tokens_changed: bool = False
+    fingerprint_changed: bool = False
+    stack_changes: tuple[FieldChange, ...] = ()
+    reasons: tuple[str, ...] = field(default=())
+
+    def as_dict(self) -> dict:
+        return {
+            "verdict": self.verdict.value,
+            "correct": self.correct,
+            "baseline_correct": self.baseline_correct,
+            "text_identical": self.text_identical,
+            "delta": None
+            if self.delta is None
+            else {
+                "first_divergence": self.delta.first_divergence,
+                "common_prefix": self.delta.common_prefix,
+                "max_abs_dlogprob": self.delta.max_abs_dlogprob,
+                "mean_abs_dlogprob": self.delta.mean_abs_dlogprob,
+                "max_abs_dtop": self.delta.max_abs_dtop,
+                "topk_overlap": self.delta.topk_overlap,
+            },
+            "prompt_tokens_changed": self.prompt_tokens_changed,
+            "fingerprint_changed": self.fingerprint_changed,
+            "stack_changes": [
+                {"field": c.field, "before": c.before, "after": c.after} for c in self.stack_changes
+            ],
+            "reasons": list(self.reasons),
+        }
+
+
+def token_delta(base: list[TokenLogprob], cur: list[TokenLogprob]) -> TokenDelta:
+    """Where two generations part, and how far their logprobs moved before that point."""
+    n = 0
+    for a, b in zip(base, cur, strict=False):
+        if a.token != b.token or (
+            a.token_id is not None and b.token_id is not None and a.token_id != b.token_id
+        ):
+            break
+        n += 1
+    diverged = n < max(len(base), len(cur))
+    if n == 0:
+        return TokenDelta(n if diverged else None, 0, None, None, None, None)
+    chosen = [abs(a.logprob - b.logprob) for a, b in zip(base[:n], cur[:n], strict=True)]
+    top_deltas: list[float] = []
+    overlaps: list[float] = []
+    for a, b in zip(base[:n], cur[:n], strict=True):
+        ta, tb = dict(a.top), dict(b.top)
+        if ta or tb:
+            overlaps.append(len(ta.keys() & tb.keys()) / len(ta.keys() | tb.keys()))
+        top_deltas.extend(abs(ta[t] - tb[t]) for t in ta.keys() & tb.keys())
+    return TokenDelta(
+        first_divergence=n if diverged else None,
+        common_prefix=n,
+        max_abs_dlogprob=max(chosen),
+        mean_abs_dlogprob=sum(chosen) / n,
+        max_abs_dtop=max(top_deltas) if top_deltas else None,
+        topk_overlap=sum(overlaps) / len(overlaps) if overlaps else None,
+    )
+
+
+def compare(
+    baseline: Observation | None,
+    current: Observation,
+    *,
+    correct: bool | None,
+    baseline_correct: bool | None = None,
+    logprob_tolerance: float = 0.0,
+) -> Comparison:
+    """Classify ``current`` against ``baseline`` (see the module docstring for the verdict order).
+
+    ``correct``/``baseline_correct`` come from the canary's expected answer (None when it has none), so
+    this function needs no canary and stays trivially testable.
+    """
+    if not current.ok:
+        return Comparison(Verdict.ERROR, None, reasons=(f"{current.error_kind}: {current.error}",))
+    if baseline is None:
+        return Comparison(
+            Verdict.BASELINE, correct, reasons=("no baseline yet: this observation becomes it",)
+        )
+    if baseline.request_hash != current.request_hash:
+        return Comparison(
+            Verdict.BASELINE, correct, reasons=("canary request changed since the baseline: new baseline",)
+        )
+
+    delta = token_delta(baseline.tokens, current.tokens)
+    text_identical = baseline.text == current.text
+    stack_changes = tuple(diff(baseline.stack, current.stack))
+    fingerprint_changed = baseline.system_fingerprint != current.system_fingerprint
+    prompt_changed = (
+        baseline.prompt_tokens is not None
+        and current.prompt_tokens is not None
+        and baseline.prompt_tokens != current.prompt_tokens
+    )
+    reasons: list[str] = []
+    if stack_changes:
+        reasons.append("stack changed: " + ", ".join(c.field for c in stack_changes))
+    if prompt_changed:
+        reasons.append(f"prompt tokens {baseline.prompt_tokens} -> {current.prompt_tokens}")
+
+    tokens_same = delta.first_divergence is None and text_identical
+    moved = max(delta.max_abs_dlogprob or 0.0, delta.max_abs_dtop or 0.0)
+    # A top-k membership swap is itself a logprob move; with a tolerance set it may be boundary noise.
+    topk_changed = logprob_tolerance == 0 and delta.topk_overlap is not None and delta.topk_overlap < 1.0
+
+    if baseline_correct and correct is False:
+        verdict = Verdict.REGRESSION
+        reasons.insert(0, "was correct, now wrong")
+    elif not tokens_same:
+        verdict = Verdict.ANSWER_DRIFT
+        where = delta.first_divergence if delta.first_divergence is not None else delta.common_prefix
+        reasons.insert(0, f"tokens differ from index {where}")
+    elif moved > logprob_tolerance or topk_changed:
+        verdict = Verdict.LOGPROB_DRIFT
+        reasons.insert(
+            0,
+            f"max |Δ logprob| {moved:.3g} > tolerance {logprob_tolerance:g}"
+            + (", top-k set changed" if topk_changed else ""),
+        )
+    elif stack_changes or prompt_changed:
+        verdict = Verdict.STACK_CHANGE
+    else:
+        verdict = Verdict.IDENTICAL
+    return Comparison(
+        verdict=verdict,
+        correct=correct,
+        baseline_correct=baseline_correct,
+        text_identical=text_identical,
+        delta=delta,
+        prompt_tokens_changed=prompt_changed,
+        fingerprint_changed=fingerprint_changed,
+        stack_changes=stack_changes,
+        reasons=tuple(reasons),
+    )

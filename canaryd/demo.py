@@ -1,0 +1,100 @@
+"""`canaryd demo`: the whole loop on one CPU, no GPU and no API key.
+
+1. build a tiny Llama-style model, trained for a few seconds to answer the default suite's chat canaries;
+2. serve it with a real vLLM (float32) and probe: the first observations become the baselines;
+3. probe again: everything is ``identical``;
+4. restart the *same weights* with ``--dtype bfloat16`` — same model name, same answers, a silent shift;
+5. probe again: canaryd reports drift and names the stack fields that moved.
+
+The demo exits 0 when canaryd behaved as described, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+
+from canaryd.canaries import load_suite
+from canaryd.compare import Verdict
+from canaryd.config import load_config
+from canaryd.probe import Result, run_pass
+from canaryd.report import print_tables, results_table, stack_changes_table
+from canaryd.scaffold import shipped_canaries
+
+CONFIG = """\
+# Written by `canaryd demo`: the embedded default (SQLite + a local vLLM CPU server).
+state_dir = "{state}"
+suites = ["{suite}"]
+
+[[backends]]
+name = "local-vllm"
+kind = "vllm"
+base_url = "{base_url}"
+model = "tiny"
+concurrency = 2
+"""
+
+
+def _verdicts(results: list[Result]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for r in results:
+        counts[r.comparison.verdict.value] = counts.get(r.comparison.verdict.value, 0) + 1
+    return counts
+
+
+def run_demo(workdir: Path, console: Console) -> int:
+    from canaryd.tinymodel import build_tiny_model
+    from canaryd.vllm_process import VLLMServer, free_port
+
+    workdir = workdir.resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    suite_path = shipped_canaries() / "default.toml"
+    suite = load_suite(suite_path)
+    train = [
+        ([m.model_dump() for m in c.messages], c.expect.answer)
+        for c in suite.canaries
+        if c.messages is not None and c.expect is not None and c.expect.answer is not None
+    ]
+    console.rule("1. a tiny model, built on the spot")
+    model = build_tiny_model(workdir / "model", seed=0, train=train, steps=600)
+    console.print(f"model: {model} (trained on {len(train)} canary answers)")
+
+    port = free_port()
+    cfg_path = workdir / "canaryd.toml"
+    cfg_path.write_text(
+        CONFIG.format(state=workdir / "state", suite=suite_path, base_url=f"http://127.0.0.1:{port}/v1")
+    )
+    (workdir / "state" / "canaryd.db").unlink(missing_ok=True)  # every demo starts from an empty history
+    config = load_config(cfg_path)
+
+    def serve(dtype: str) -> VLLMServer:
+        console.print(f"starting vLLM (CPU) with --dtype {dtype} on port {port} (about 40 s) ...")
+        return VLLMServer(model, port=port, dtype=dtype, log_path=workdir / f"vllm-{dtype}.log")
+
+    def show(title: str, results: list[Result]) -> dict[str, int]:
+        console.rule(title)
+        print_tables(console, results_table(results), stack_changes_table(results))
+        counts = _verdicts(results)
+        console.print(f"verdicts: {counts}")
+        return counts
+
+    with serve("float32"):
+        first = show("2. first probe: observations become baselines", run_pass(config))
+        again = show("3. probe again, nothing changed", run_pass(config))
+    with serve("bfloat16"):
+        shifted = show("4-5. same weights restarted with --dtype bfloat16: a silent shift", run_pass(config))
+
+    drift = sum(n for v, n in shifted.items() if Verdict(v).is_drift)
+    ok = (
+        first == {"baseline": len(suite.canaries)}
+        and again == {"identical": len(suite.canaries)}
+        and drift > 0
+    )
+    console.rule("result")
+    console.print(
+        f"{'OK' if ok else 'UNEXPECTED'}: baseline {first.get('baseline', 0)}, identical on re-probe "
+        f"{again.get('identical', 0)}, drift after the silent shift {drift} of {len(suite.canaries)}.\n"
+        f"Explore: canaryd -c {cfg_path} history | stack | baseline accept | check"
+    )
+    return 0 if ok else 1

@@ -1,0 +1,112 @@
+"""Human tables (rich) and machine JSON for probe results, history and stacks."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+from canaryd.compare import Verdict
+from canaryd.probe import Result
+from canaryd.store import ObservationRow
+
+_STYLE = {
+    Verdict.IDENTICAL: "green",
+    Verdict.BASELINE: "cyan",
+    Verdict.STACK_CHANGE: "yellow",
+    Verdict.LOGPROB_DRIFT: "yellow",
+    Verdict.ANSWER_DRIFT: "red",
+    Verdict.REGRESSION: "bold red",
+    Verdict.ERROR: "magenta",
+}
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
+def _tick(x: bool | None) -> str:
+    return {True: "yes", False: "no", None: "-"}[x]
+
+
+def result_dict(r: Result) -> dict:
+    o = r.observation
+    return {
+        "observation_id": r.observation_id,
+        "run_id": r.run_id,
+        "backend": o.backend,
+        "canary": o.canary_id,
+        "suite": o.suite,
+        "text": o.text,
+        "latency_s": o.latency_s,
+        "system_fingerprint": o.system_fingerprint,
+        "prompt_tokens": o.prompt_tokens,
+        "completion_tokens": o.completion_tokens,
+        "error": o.error,
+        "error_kind": o.error_kind.value if o.error_kind else None,
+        **r.comparison.as_dict(),
+    }
+
+
+def results_table(results: Sequence[Result]) -> Table:
+    t = Table(title="canaryd check", title_justify="left")
+    for col in ("backend", "canary", "verdict", "correct", "1st div", "max |Δlp|", "fingerprint", "why"):
+        t.add_column(col, overflow="fold")
+    for r in results:
+        c, d = r.comparison, r.comparison.delta
+        moved = None if d is None else max(d.max_abs_dlogprob or 0.0, d.max_abs_dtop or 0.0)
+        t.add_row(
+            r.observation.backend,
+            r.observation.canary_id,
+            f"[{_STYLE[c.verdict]}]{c.verdict.value}[/]",
+            _tick(c.correct),
+            "-" if d is None or d.first_divergence is None else str(d.first_divergence),
+            _num(moved),
+            r.observation.system_fingerprint or "-",
+            "; ".join(c.reasons),
+        )
+    return t
+
+
+def stack_changes_table(results: Sequence[Result]) -> Table | None:
+    """Distinct stack-field changes across the results, one row each (what on-call reads first)."""
+    rows = {
+        (r.observation.backend, ch.field, ch.before, ch.after)
+        for r in results
+        for ch in r.comparison.stack_changes
+    }
+    if not rows:
+        return None
+    t = Table(title="stack changes since baseline", title_justify="left")
+    for col in ("backend", "field", "baseline", "now"):
+        t.add_column(col, overflow="fold")
+    for b, f, before, after in sorted(rows, key=lambda x: (x[0], x[1])):
+        t.add_row(b, f, "(absent)" if before is None else before, "(absent)" if after is None else after)
+    return t
+
+
+def history_table(rows: Sequence[ObservationRow]) -> Table:
+    t = Table(title="history (newest first)", title_justify="left")
+    for col in ("id", "run", "time (UTC)", "backend", "canary", "verdict", "correct", "answer", "stack"):
+        t.add_column(col, overflow="fold")
+    for o in rows:
+        answer = o.text if o.error is None else f"[magenta]{o.error_kind}: {o.error}[/]"
+        t.add_row(
+            str(o.id),
+            str(o.run_id),
+            o.started_at.strftime("%Y-%m-%d %H:%M:%S"),
+            o.backend,
+            o.canary_id,
+            f"[{_STYLE[Verdict(o.verdict)]}]{o.verdict}[/]",
+            _tick(o.correct),
+            (answer or "")[:60],
+            o.stack_hash or "-",
+        )
+    return t
+
+
+def print_tables(console: Console, *tables: Table | None) -> None:
+    for t in tables:
+        if t is not None:
+            console.print(t)

@@ -1,0 +1,74 @@
+"""`canaryd init`: a commented example config and a copy of the shipped default suite."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+from canaryd.errors import InputError
+
+EXAMPLE = """\
+# canaryd configuration. Reference: README.md ("Configuration").
+# Relative paths are resolved against this file's directory.
+
+# Where the SQLite history lives (default: $STATE_DIRECTORY, else ~/.local/state/canaryd).
+# state_dir = "/var/lib/canaryd"
+
+# A vLLM OpenAI-compatible server. canaryd also reads /version, /v1/models, /metrics and /tokenize
+# to snapshot the serving stack.
+[[backends]]
+name = "local-vllm"
+kind = "vllm"
+base_url = "http://127.0.0.1:8000/v1"
+model = "my-model"          # the served model name
+# api_key_env = "VLLM_API_KEY" # if the server was started with --api-key
+timeout_s = 60               # per request; canaryd never retries inside a probe
+concurrency = 4              # canaries in flight at once on this backend
+
+# Any OpenAI-compatible API: OpenAI, OpenRouter, Together, SGLang, llama.cpp server ...
+# The key is read from the environment variable named here (or from api_key_file, e.g. a systemd
+# credential); it never goes in this file, the database, the logs or the metrics.
+# [[backends]]
+# name = "openai-gpt"
+# kind = "openai"
+# base_url = "https://api.openai.com/v1"
+# model = "gpt-4.1-mini"
+# api_key_env = "OPENAI_API_KEY"
+
+# Canary files. A suite may be limited to some backends:
+#   suites = [{ path = "canaries/default.toml", backends = ["local-vllm"] }]
+suites = ["canaries/default.toml"]
+
+[storage]
+# SQLAlchemy URL; default sqlite:///<state_dir>/canaryd.db. PostgreSQL for fleets:
+# url = "postgresql+psycopg://canaryd@db/canaryd"
+
+[compare]
+# Largest |delta logprob| still called identical. 0 (the default): any change counts, which is right
+# for a batch-invariant or otherwise deterministic engine. Raise it for noisy engines.
+logprob_tolerance = 0.0
+"""
+
+
+def shipped_canaries() -> Path:
+    """The `canaries/` directory of a source checkout or of an installed wheel's data files."""
+    for candidate in (
+        Path(__file__).resolve().parents[1] / "canaries",
+        Path(sys.prefix) / "share/canaryd/canaries",
+    ):
+        if (candidate / "default.toml").exists():
+            return candidate
+    raise InputError("cannot find the shipped canaries/default.toml (reinstall canaryd)")
+
+
+def write_example(path: Path, *, force: bool = False) -> list[Path]:
+    suite = path.parent / "canaries" / "default.toml"
+    for target in (path, suite):
+        if target.exists() and not force:
+            raise InputError(f"{target}: already exists (use --force to overwrite)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(EXAMPLE, encoding="utf-8")
+    suite.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(shipped_canaries() / "default.toml", suite)
+    return [path, suite]

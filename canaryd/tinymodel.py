@@ -1,0 +1,228 @@
+"""Build a tiny Llama-style model in Hugging Face format, fully offline.
+
+canaryd's tests and ``canaryd demo`` need a *real* model that a real vLLM
+server can load, on a CPU-only machine with no hub access.  So we make one:
+a byte-level tokenizer (no vocabulary download, any text round-trips), a
+two-layer Llama with random weights, and optionally a few hundred AdamW steps
+so that it answers a handful of known-answer canary prompts correctly under
+greedy decoding.  ``perturb_weights`` then produces the "silently degraded"
+variants (int8 round trip, gaussian noise) that canaries exist to catch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+MARKER = "canaryd-tinymodel.json"
+# Bump when the build recipe changes so old cached directories are rebuilt.
+RECIPE_VERSION = 1
+SPECIAL_TOKENS = ("<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>")
+# Each turn is "<|role|>content\n"; the generation prompt is "<|assistant|>".
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "<|{{ m['role'] }}|>{{ m['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+# vLLM's CPU attention backend only supports head sizes such as 64/128, so
+# the model is 2 heads x 64 rather than something even smaller.
+CONFIG = {
+    "vocab_size": 256 + len(SPECIAL_TOKENS),
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
+    "bos_token_id": 256,
+    "eos_token_id": 257,
+    "pad_token_id": 257,
+}
+# Training stops only once every answer wins greedily by this many logits,
+# so small numeric differences (vLLM kernels vs. HF eager) do not flip it.
+MARGIN = 2.0
+
+Train = Sequence[tuple[list[dict[str, str]], str]]
+
+
+def _tokenizer():
+    """A byte-level BPE without merges: 256 byte symbols plus specials."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    # Token id == byte value, which keeps ids readable in samples and tests.
+    vocab = {sym: b for b, sym in bytes_to_unicode().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="</s>",
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def _save_tokenizer(tok, out_dir: Path) -> None:
+    """Write tokenizer.json and a tokenizer_config.json carrying the template.
+
+    Written by hand (not ``save_pretrained``) so the files are stable across
+    transformers releases and the chat template sits where vLLM looks first.
+    """
+    tok.backend_tokenizer.save(str(out_dir / "tokenizer.json"))
+    cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "pad_token": "</s>",
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": CONFIG["max_position_embeddings"],
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
+
+
+def _examples(tok, train: Train) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, answer ids + eos) for each pair, as vLLM would see them."""
+    out = []
+    for messages, answer in train:
+        prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        p = tok.encode(prompt, add_special_tokens=False)
+        a = [*tok.encode(answer, add_special_tokens=False), tok.eos_token_id]
+        out.append((p, a))
+    return out
+
+
+def _train(model, examples, steps: int) -> tuple[int, bool]:
+    """AdamW on the answer tokens until all answers win greedily by MARGIN.
+
+    A teacher-forced argmax check is exact for greedy decoding: generation
+    reproduces answer+eos iff every answer position's argmax is the target.
+    """
+    import torch
+
+    width = max(len(p) + len(a) for p, a in examples)
+    ids = torch.full((len(examples), width), CONFIG["pad_token_id"])
+    labels = torch.full_like(ids, -100)
+    mask = torch.zeros_like(ids)
+    for i, (p, a) in enumerate(examples):
+        n = len(p) + len(a)
+        ids[i, :n] = torch.tensor(p + a)
+        labels[i, len(p) : n] = torch.tensor(a)
+        mask[i, :n] = 1
+    # Next-token targets: position t predicts labels[t + 1].
+    tgt = labels[:, 1:]
+    sel = tgt != -100
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    model.train()
+    for step in range(1, steps + 1):
+        out = model(input_ids=ids, attention_mask=mask, labels=labels)
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+        if step % 10 == 0 or step == steps:
+            with torch.no_grad():
+                logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1][sel]
+            t = tgt[sel]
+            right = logits.gather(1, t[:, None])[:, 0]
+            others = logits.scatter(1, t[:, None], float("-inf")).max(1).values
+            if bool(((right - others) > MARGIN).all()):
+                model.eval()
+                return step, True
+    model.eval()
+    return steps, False
+
+
+def _digest(seed: int, train: Train, steps: int) -> str:
+    blob = json.dumps(
+        {
+            "v": RECIPE_VERSION,
+            "seed": seed,
+            "train": [[m, a] for m, a in train],
+            "steps": steps,
+            "config": CONFIG,
+            "template": CHAT_TEMPLATE,
+        },
+        sort_keys=True,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def build_tiny_model(out_dir: Path, *, seed: int = 0, train: Train = (), steps: int = 300) -> Path:
+    """Build (or reuse) the tiny model in ``out_dir`` and return the path.
+
+    ``train`` holds (chat messages, expected answer) pairs the model should
+    learn to answer greedily; training stops early once it does, or after
+    ``steps``.  A marker file with a hash of every input makes repeat calls
+    free, which matters because tests build the model in many places.
+    """
+    out_dir = Path(out_dir)
+    marker = out_dir / MARKER
+    digest = _digest(seed, train, steps)
+    if marker.exists() and json.loads(marker.read_text()).get("digest") == digest:
+        return out_dir
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    marker.unlink(missing_ok=True)  # a half-finished rebuild must not look cached
+    tok = _tokenizer()
+    torch.manual_seed(seed)
+    config = LlamaConfig(**CONFIG)
+    config.dtype = torch.float32
+    model = LlamaForCausalLM(config).float()
+    used, ok = (0, True)
+    if train:
+        used, ok = _train(model, _examples(tok, train), steps)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    _save_tokenizer(tok, out_dir)
+    info = {"digest": digest, "seed": seed, "train_pairs": len(train), "steps_used": used, "learned": ok}
+    marker.write_text(json.dumps(info, indent=2))
+    return out_dir
+
+
+def perturb_weights(src: Path, dst: Path, *, mode: str, scale: float = 0.05, seed: int = 0) -> Path:
+    """Copy a model directory to ``dst`` with degraded weights.
+
+    ``int8``: symmetric per-row int8 quantise/dequantise of every 2-D weight,
+    like a careless quantised deployment.  ``noise``: add seeded gaussian noise
+    with std ``scale`` times each 2-D tensor's own std.  Tokenizer and config
+    are copied unchanged; the build marker is not, so ``dst`` is never
+    mistaken for a cached clean build.
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    if mode not in ("int8", "noise"):
+        raise ValueError(f"unknown perturbation mode {mode!r} (expected 'int8' or 'noise')")
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.name != MARKER and f.suffix != ".safetensors":
+            shutil.copy2(f, dst / f.name)
+    gen = torch.Generator().manual_seed(seed)
+    for f in sorted(src.glob("*.safetensors")):
+        tensors = load_file(f)
+        for name, w in sorted(tensors.items()):
+            if w.ndim != 2:
+                continue
+            x = w.float()
+            if mode == "int8":
+                step = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127
+                x = (x / step).round().clamp(-127, 127) * step
+            else:
+                x = x + torch.randn(x.shape, generator=gen) * (scale * x.std())
+            tensors[name] = x.to(w.dtype).contiguous()
+        save_file(tensors, dst / f.name, metadata={"format": "pt"})
+    return dst
