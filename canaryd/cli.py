@@ -46,6 +46,7 @@ out = Console(soft_wrap=False, width=160)
 
 class State:
     config_path: Path | None = None
+    log_level: str | None = None
 
 
 def _version(value: bool) -> None:
@@ -60,14 +61,16 @@ def _main(
     config: Annotated[
         Path | None, typer.Option("--config", "-c", help="Config file (default: search).")
     ] = None,
-    log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "warning",
+    log_level: Annotated[
+        str | None, typer.Option(help="debug, info, warning or error [default: warning; info for run].")
+    ] = None,
     version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True)] = False,
 ) -> None:
-    if log_level.lower() not in ("debug", "info", "warning", "error"):
+    if log_level is not None and log_level.lower() not in ("debug", "info", "warning", "error"):
         raise InputError(f"--log-level: unknown level {log_level!r} (debug, info, warning, error)")
-    logsetup.configure(log_level)
+    logsetup.configure(log_level or "warning")
     ctx.obj = State()
-    ctx.obj.config_path = config
+    ctx.obj.config_path, ctx.obj.log_level = config, log_level
 
 
 def _config(ctx: typer.Context) -> Config:
@@ -124,6 +127,17 @@ def probe(
     """Send every canary through every backend and record the observations (exit 3 if one was down)."""
     results = _probe(ctx, backend, as_json)
     raise typer.Exit(EXIT_UNAVAILABLE if gate(results) == EXIT_UNAVAILABLE else EXIT_OK)
+
+
+@app.command()
+def run(ctx: typer.Context) -> None:
+    """Run the daemon: probe on the configured schedules and serve Prometheus metrics."""
+    from canaryd.daemon import Daemon
+
+    path = find_config(ctx.obj.config_path)
+    if ctx.obj.log_level is None:
+        logsetup.configure("info")  # a daemon logs its observations unless told otherwise
+    Daemon(path, load_config(path)).serve_forever()
 
 
 @app.command()

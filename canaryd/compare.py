@@ -150,7 +150,7 @@ def compare(
     )
     reasons: list[str] = []
     if stack_changes:
-        reasons.append("stack changed: " + ", ".join(c.field for c in stack_changes))
+        reasons.append(f"stack changed ({len(stack_changes)} field{'s' if len(stack_changes) > 1 else ''})")
     if prompt_changed:
         reasons.append(f"prompt tokens {baseline.prompt_tokens} -> {current.prompt_tokens}")
 

@@ -13,12 +13,34 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from canaryd.canaries import ID_PATTERN
 from canaryd.errors import InputError, describe_validation_error
 
 _ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
+_UNIT_S = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(value: object) -> float:
+    """Prometheus-style durations ("30s", "5m", "1h30m") or plain seconds, to seconds."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str) and value and _DURATION.sub("", value) == "":
+        return sum(float(n) * _UNIT_S[u] for n, u in _DURATION.findall(value))
+    raise ValueError(f"not a duration: {value!r} (use e.g. 30s, 5m, 1h30m)")
+
+
+Duration = Annotated[float, BeforeValidator(parse_duration), Field(ge=0)]
 
 
 class _Strict(BaseModel):
@@ -83,6 +105,72 @@ class CompareConfig(_Strict):
     logprob_tolerance: Annotated[float, Field(ge=0)] = 0.0
 
 
+class ScheduleConfig(_Strict):
+    """When the daemon probes what: every backend × suite by default, every 5 minutes."""
+
+    name: Annotated[str, Field(pattern=ID_PATTERN)] = "default"
+    every: Duration | None = None
+    cron: str | None = None  # crontab syntax, UTC
+    jitter: Duration = 0.0
+    backends: tuple[str, ...] | None = None  # None: all
+    suites: tuple[str, ...] | None = None  # suite names (the [suite] name); None: all
+
+    @model_validator(mode="after")
+    def _one_trigger(self) -> Self:
+        if self.every is not None and self.cron is not None:
+            raise ValueError("give at most one of every, cron")
+        if self.every is not None and self.every < 1:
+            raise ValueError("every must be at least 1s")
+        if self.cron is not None:
+            from apscheduler.triggers.cron import CronTrigger
+
+            try:
+                CronTrigger.from_crontab(self.cron)
+            except ValueError as e:
+                raise ValueError(f"invalid cron expression {self.cron!r}: {e}") from None
+        return self
+
+    @property
+    def every_s(self) -> float | None:
+        """Seconds between passes for an interval schedule (5 minutes when neither is given)."""
+        return self.every if self.every is not None else (None if self.cron else 300.0)
+
+    @property
+    def interval_s(self) -> float:
+        """The nominal gap between passes (for cron: the smallest gap in the next few firings)."""
+        if self.every_s is not None:
+            return self.every_s
+        from datetime import UTC, datetime
+
+        from apscheduler.triggers.cron import CronTrigger
+
+        trigger, t, gaps = CronTrigger.from_crontab(self.cron, timezone=UTC), datetime.now(UTC), []
+        prev = trigger.get_next_fire_time(None, t)
+        for _ in range(5):
+            nxt = trigger.get_next_fire_time(prev, prev)
+            gaps.append((nxt - prev).total_seconds())
+            prev = nxt
+        return min(gaps)
+
+
+class DaemonConfig(_Strict):
+    listen: str = "127.0.0.1:9464"  # metrics; loopback unless you mean it
+    fingerprint_window: Duration = 3600.0  # distinct fingerprints are counted over this window
+
+    @field_validator("listen")
+    @classmethod
+    def _host_port(cls, v: str) -> str:
+        host, sep, port = v.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError("must be host:port, e.g. 127.0.0.1:9464")
+        return v
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        host, _, port = self.listen.rpartition(":")
+        return host.strip("[]"), int(port)
+
+
 class Config(_Strict):
     path: Path
     state_dir: Path
@@ -90,6 +178,8 @@ class Config(_Strict):
     suites: tuple[SuiteRef, ...]
     storage: StorageConfig = StorageConfig()
     compare: CompareConfig = CompareConfig()
+    daemon: DaemonConfig = DaemonConfig()
+    schedules: tuple[ScheduleConfig, ...] = (ScheduleConfig(),)
 
     @field_validator("suites", mode="before")
     @classmethod
@@ -160,7 +250,15 @@ def load_config(path: Path) -> Config:
     try:
         cfg = Config.model_validate({**raw, "path": path})
     except ValidationError as e:
-        raise InputError(f"{path}: {describe_validation_error(e)}") from None
+        first = e.errors()[0]
+        hint = ""
+        if (
+            first["type"] == "extra_forbidden"
+            and len(first["loc"]) == 3
+            and first["loc"][2] in Config.model_fields
+        ):
+            hint = f" (TOML: a key after a [[{first['loc'][0]}]] table belongs to it; move it above)"
+        raise InputError(f"{path}: {describe_validation_error(e)}{hint}") from None
     if not cfg.backends:
         raise InputError(f"{path}: backends: at least one [[backends]] entry is required")
     if not cfg.suites:

@@ -1,6 +1,6 @@
 """`canaryd demo`: the whole loop on one CPU, no GPU and no API key.
 
-1. build a tiny Llama-style model, trained for a few seconds to answer the default suite's chat canaries;
+1. build a tiny Llama-style model, trained for a few seconds to answer the default suite's canaries;
 2. serve it with a real vLLM (float32) and probe: the first observations become the baselines;
 3. probe again: everything is ``identical``;
 4. restart the *same weights* with ``--dtype bfloat16`` — same model name, same answers, a silent shift;
@@ -51,13 +51,15 @@ def run_demo(workdir: Path, console: Console) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     suite_path = shipped_canaries() / "default.toml"
     suite = load_suite(suite_path)
+    known = [c for c in suite.canaries if c.expect is not None and c.expect.answer is not None]
     train = [
-        ([m.model_dump() for m in c.messages], c.expect.answer)
-        for c in suite.canaries
-        if c.messages is not None and c.expect is not None and c.expect.answer is not None
+        (c.prompt if c.prompt is not None else [m.model_dump() for m in c.messages], c.expect.answer)
+        for c in known
     ]
+    # Answers that must fit in fewer tokens than they have bytes become whole-word tokens.
+    words = sorted({c.expect.answer for c in known if len(c.expect.answer.encode()) >= c.decoding.max_tokens})
     console.rule("1. a tiny model, built on the spot")
-    model = build_tiny_model(workdir / "model", seed=0, train=train, steps=600)
+    model = build_tiny_model(workdir / "model", seed=0, train=train, steps=600, words=words)
     console.print(f"model: {model} (trained on {len(train)} canary answers)")
 
     port = free_port()

@@ -17,6 +17,7 @@ from canaryd.canaries import Canary, Suite, load_suites
 from canaryd.compare import Comparison, compare
 from canaryd.config import Config
 from canaryd.observation import Observation
+from canaryd.stack import stack_hash
 from canaryd.store import Store, utcnow
 
 log = structlog.get_logger("canaryd.probe")
@@ -30,6 +31,22 @@ class Result:
     comparison: Comparison
 
 
+@dataclass(frozen=True, slots=True)
+class BackendRun:
+    """One pass of a backend's canaries, with the stack it showed (snapshot + response facts)."""
+
+    backend: str
+    kind: str
+    run_id: int
+    results: list[Result]
+    stack: dict[str, str]
+    unavailable: BackendUnavailable | None = None
+
+    @property
+    def stack_hash(self) -> str:
+        return stack_hash(self.stack) if self.stack else ""
+
+
 def plan(config: Config, suites: Sequence[Suite], only: str | None = None) -> dict[str, list[Canary]]:
     """Which canaries each backend gets, following each suite's optional ``backends`` list."""
     out: dict[str, list[Canary]] = {b.name: [] for b in config.backends if only in (None, b.name)}
@@ -40,7 +57,7 @@ def plan(config: Config, suites: Sequence[Suite], only: str | None = None) -> di
     return out
 
 
-def probe_backend(backend: Backend, canaries: Sequence[Canary], store: Store, config: Config) -> list[Result]:
+def probe_backend(backend: Backend, canaries: Sequence[Canary], store: Store, config: Config) -> BackendRun:
     run_id = store.start_run(backend.name)
     bound = log.bind(backend=backend.name, run_id=run_id)
     try:
@@ -86,16 +103,23 @@ def probe_backend(backend: Backend, canaries: Sequence[Canary], store: Store, co
         )
         results.append(Result(obs_id, run_id, obs, comparison))
     store.finish_run(run_id, len(canaries))
-    return results
+    # The run's stack: the snapshot plus every response-level value seen (a fleet may show several).
+    seen: dict[str, set[str]] = {}
+    for r in results:
+        for k, v in r.observation.stack.items():
+            if k not in stack:
+                seen.setdefault(k, set()).add(v)
+    run_stack = {**stack, **{k: ",".join(sorted(v)) for k, v in seen.items()}} if failure is None else {}
+    return BackendRun(backend.name, backend.kind, run_id, results, run_stack, failure)
 
 
 def probe_all(
     backends: Sequence[Backend], work: dict[str, list[Canary]], store: Store, config: Config
-) -> list[Result]:
-    """Probe all backends in parallel; results come back in config order."""
+) -> list[BackendRun]:
+    """Probe all backends in parallel; runs come back in config order."""
     with ThreadPoolExecutor(max_workers=max(1, len(backends)), thread_name_prefix="backend") as ex:
         futures = [ex.submit(probe_backend, b, work[b.name], store, config) for b in backends]
-        return [r for f in futures for r in f.result()]
+        return [f.result() for f in futures]
 
 
 def run_pass(config: Config, only: str | None = None) -> list[Result]:
@@ -106,7 +130,7 @@ def run_pass(config: Config, only: str | None = None) -> list[Result]:
     backends = [make_backend(config.backend(name)) for name in work]
     store = Store(config.storage_url)
     try:
-        return probe_all(backends, work, store, config)
+        return [r for run in probe_all(backends, work, store, config) for r in run.results]
     finally:
         for b in backends:
             b.close()

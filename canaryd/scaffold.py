@@ -12,8 +12,26 @@ EXAMPLE = """\
 # canaryd configuration. Reference: README.md ("Configuration").
 # Relative paths are resolved against this file's directory.
 
+# Top-level keys come first: in TOML, keys after a [[table]] header belong to that table.
+
+# Canary files. A suite may be limited to some backends:
+#   suites = [{ path = "canaries/default.toml", backends = ["local-vllm"] }]
+suites = ["canaries/default.toml"]
+
 # Where the SQLite history lives (default: $STATE_DIRECTORY, else ~/.local/state/canaryd).
 # state_dir = "/var/lib/canaryd"
+
+[daemon]
+listen = "127.0.0.1:9464"       # Prometheus metrics; loopback unless you mean it
+fingerprint_window = "1h"       # distinct system_fingerprints are counted over this window
+
+# When `canaryd run` probes what (default: everything every 5 minutes). Durations: 30s, 5m, 1h30m.
+[[schedules]]
+name = "default"
+every = "5m"                    # or cron = "*/5 * * * *" (UTC)
+jitter = "30s"
+# backends = ["local-vllm"]     # default: all
+# suites = ["default"]          # suite names; default: all
 
 # A vLLM OpenAI-compatible server. canaryd also reads /version, /v1/models, /metrics and /tokenize
 # to snapshot the serving stack.
@@ -35,10 +53,6 @@ concurrency = 4              # canaries in flight at once on this backend
 # base_url = "https://api.openai.com/v1"
 # model = "gpt-4.1-mini"
 # api_key_env = "OPENAI_API_KEY"
-
-# Canary files. A suite may be limited to some backends:
-#   suites = [{ path = "canaries/default.toml", backends = ["local-vllm"] }]
-suites = ["canaries/default.toml"]
 
 [storage]
 # SQLAlchemy URL; default sqlite:///<state_dir>/canaryd.db. PostgreSQL for fleets:

@@ -47,11 +47,19 @@ CONFIG = {
 # so small numeric differences (vLLM kernels vs. HF eager) do not flip it.
 MARGIN = 2.0
 
-Train = Sequence[tuple[list[dict[str, str]], str]]
+# (chat messages, answer) pairs; a plain string instead of messages is a raw completion prompt.
+Train = Sequence[tuple[list[dict[str, str]] | str, str]]
 
 
-def _tokenizer():
-    """A byte-level BPE without merges: 256 byte symbols plus specials."""
+def _config(words: Sequence[str]) -> dict:
+    return {**CONFIG, "vocab_size": CONFIG["vocab_size"] + len(words)}
+
+
+def _tokenizer(words: Sequence[str] = ()):
+    """A byte-level BPE without merges: 256 byte symbols, the specials, then ``words`` as whole tokens.
+
+    Whole-word tokens let the demo model give one-token answers ("Yes") that bytes alone cannot.
+    """
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -62,6 +70,7 @@ def _tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.add_tokens([AddedToken(w, special=False, normalized=False) for w in words])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<s>",
@@ -96,7 +105,11 @@ def _examples(tok, train: Train) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, answer ids + eos) for each pair, as vLLM would see them."""
     out = []
     for messages, answer in train:
-        prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompt = (
+            messages
+            if isinstance(messages, str)
+            else tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        )
         p = tok.encode(prompt, add_special_tokens=False)
         a = [*tok.encode(answer, add_special_tokens=False), tok.eos_token_id]
         out.append((p, a))
@@ -143,14 +156,15 @@ def _train(model, examples, steps: int) -> tuple[int, bool]:
     return steps, False
 
 
-def _digest(seed: int, train: Train, steps: int) -> str:
+def _digest(seed: int, train: Train, steps: int, words: Sequence[str]) -> str:
     blob = json.dumps(
         {
             "v": RECIPE_VERSION,
             "seed": seed,
             "train": [[m, a] for m, a in train],
             "steps": steps,
-            "config": CONFIG,
+            "config": _config(words),
+            "words": list(words),
             "template": CHAT_TEMPLATE,
         },
         sort_keys=True,
@@ -158,7 +172,9 @@ def _digest(seed: int, train: Train, steps: int) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def build_tiny_model(out_dir: Path, *, seed: int = 0, train: Train = (), steps: int = 300) -> Path:
+def build_tiny_model(
+    out_dir: Path, *, seed: int = 0, train: Train = (), steps: int = 300, words: Sequence[str] = ()
+) -> Path:
     """Build (or reuse) the tiny model in ``out_dir`` and return the path.
 
     ``train`` holds (chat messages, expected answer) pairs the model should
@@ -168,7 +184,7 @@ def build_tiny_model(out_dir: Path, *, seed: int = 0, train: Train = (), steps: 
     """
     out_dir = Path(out_dir)
     marker = out_dir / MARKER
-    digest = _digest(seed, train, steps)
+    digest = _digest(seed, train, steps, words)
     if marker.exists() and json.loads(marker.read_text()).get("digest") == digest:
         return out_dir
 
@@ -177,9 +193,9 @@ def build_tiny_model(out_dir: Path, *, seed: int = 0, train: Train = (), steps: 
 
     out_dir.mkdir(parents=True, exist_ok=True)
     marker.unlink(missing_ok=True)  # a half-finished rebuild must not look cached
-    tok = _tokenizer()
+    tok = _tokenizer(words)
     torch.manual_seed(seed)
-    config = LlamaConfig(**CONFIG)
+    config = LlamaConfig(**_config(words))
     config.dtype = torch.float32
     model = LlamaForCausalLM(config).float()
     used, ok = (0, True)

@@ -50,7 +50,15 @@ class VLLMServerBackend(OpenAICompatBackend):
 
     def extra_params(self, canary: Canary) -> dict:
         # vLLM fills unspecified sampling params from the model's generation_config.json: pin them all.
-        return {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "return_token_ids": True}
+        # Tokens come back as "token_id:N": vLLM renders partial UTF-8 byte tokens as "", which would make
+        # different tokens (and top-k alternatives) look equal.
+        return {
+            "top_k": -1,
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+        }
 
     def snapshot(self) -> dict[str, str]:
         fields = super().snapshot()

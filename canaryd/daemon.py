@@ -1,0 +1,219 @@
+"""`canaryd run`: the long-running daemon.
+
+APScheduler 3.x (stable; 4.x is still alpha) runs one job per configured schedule with ``coalesce``,
+``max_instances=1`` (never two overlapping passes of a schedule), jitter and a misfire grace of half the
+interval. Every pass probes, stores, compares and folds the results into the metrics served on the
+configured listen address.
+
+Signals: SIGTERM/SIGINT stop the scheduler and wait for in-flight probes (each observation is written
+in one transaction, so nothing is half-written); SIGHUP reloads the config — a new config that does not
+validate is logged and counted, and the old one keeps running. systemd ``Type=notify``: READY once the
+store, the listener and the scheduler are up, WATCHDOG pings while the scheduler thread lives.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+import structlog
+from apscheduler.events import EVENT_JOB_MAX_INSTANCES, EVENT_JOB_MISSED, JobExecutionEvent
+from apscheduler.schedulers.background import BackgroundScheduler
+from apscheduler.triggers.cron import CronTrigger
+from apscheduler.triggers.interval import IntervalTrigger
+from prometheus_client import start_http_server
+
+from canaryd import sdnotify
+from canaryd.backends import Backend, make_backend
+from canaryd.canaries import Canary, load_suites
+from canaryd.config import Config, ScheduleConfig, load_config
+from canaryd.errors import InputError
+from canaryd.metrics import Metrics
+from canaryd.probe import plan, probe_backend
+from canaryd.store import Store
+
+log = structlog.get_logger("canaryd.daemon")
+
+
+@dataclass
+class Generation:
+    """Everything built from one config: backends and each schedule's work. Replaced whole on reload."""
+
+    config: Config
+    backends: dict[str, Backend]
+    work: dict[str, dict[str, list[Canary]]]  # schedule -> backend -> canaries
+    active: int = 0
+    retired: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @classmethod
+    def build(cls, config: Config) -> Generation:
+        """Validate everything a pass needs up front, so a bad reload never reaches the scheduler."""
+        suites = load_suites([s.path for s in config.suites])
+        names = {s.name for s in suites}
+        full = plan(config, suites)
+        work: dict[str, dict[str, list[Canary]]] = {}
+        for i, sched in enumerate(config.schedules):
+            for name in sched.suites or ():
+                if name not in names:
+                    raise InputError(f"{config.path}: schedules[{i}].suites: unknown suite {name!r}")
+            work[sched.name] = {
+                b: [c for c in canaries if sched.suites is None or c.suite in sched.suites]
+                for b, canaries in full.items()
+                if sched.backends is None or b in sched.backends
+            }
+        return cls(config, {b.name: make_backend(b) for b in config.backends}, work)
+
+    def acquire(self) -> None:
+        with self.lock:
+            self.active += 1
+
+    def release(self) -> None:
+        with self.lock:
+            self.active -= 1
+            done = self.retired and self.active == 0
+        if done:
+            self.close()
+
+    def retire(self) -> None:
+        with self.lock:
+            self.retired = True
+            idle = self.active == 0
+        if idle:
+            self.close()
+
+    def close(self) -> None:
+        for b in self.backends.values():
+            b.close()
+
+
+def trigger_for(s: ScheduleConfig) -> IntervalTrigger | CronTrigger:
+    if s.cron is not None:
+        return CronTrigger.from_crontab(s.cron, timezone=UTC, jitter=int(s.jitter) or None)
+    return IntervalTrigger(seconds=s.every_s, timezone=UTC, jitter=int(s.jitter) or None)
+
+
+class Daemon:
+    def __init__(self, config_path: Path, config: Config) -> None:
+        self.config_path = config_path
+        self.config = config
+        self.stop_event = threading.Event()
+        self.reload_requested = threading.Event()
+        self.metrics = Metrics(fingerprint_window_s=config.daemon.fingerprint_window)
+        self.store = Store(config.storage_url)
+        self.gen = Generation.build(config)
+        self.scheduler = BackgroundScheduler(
+            timezone=UTC, job_defaults={"coalesce": True, "max_instances": 1}
+        )
+        self.scheduler.add_listener(self._missed, EVENT_JOB_MISSED | EVENT_JOB_MAX_INSTANCES)
+        self.httpd = None
+
+    # -- probing ------------------------------------------------------------------------------------
+    def _pass(self, schedule: str) -> None:
+        gen = self.gen
+        gen.acquire()
+        structlog.contextvars.bind_contextvars(schedule=schedule)  # job threads don't inherit context
+        try:
+            self.metrics.schedule_runs.labels(schedule).inc()
+            work = gen.work.get(schedule, {})
+            with ThreadPoolExecutor(max_workers=max(1, len(work)), thread_name_prefix="backend") as ex:
+                futures = [
+                    ex.submit(probe_backend, gen.backends[b], canaries, self.store, gen.config)
+                    for b, canaries in work.items()
+                ]
+                for f in futures:
+                    self.metrics.record(f.result())
+            self.metrics.schedule_last.labels(schedule).set(time.time())
+        except Exception:
+            log.exception("pass_failed")
+        finally:
+            structlog.contextvars.unbind_contextvars("schedule")
+            gen.release()
+
+    def _missed(self, event: JobExecutionEvent) -> None:
+        self.metrics.schedule_missed.labels(event.job_id).inc()
+        log.warning("pass_skipped", schedule=event.job_id, code=event.code)
+
+    def _install(self, gen: Generation) -> None:
+        """Replace all jobs with the generation's schedules; interval schedules fire at once."""
+        self.scheduler.remove_all_jobs()
+        intervals = []
+        for s in gen.config.schedules:
+            self.scheduler.add_job(
+                self._pass,
+                trigger_for(s),
+                args=[s.name],
+                id=s.name,
+                name=s.name,
+                misfire_grace_time=max(1, int(s.interval_s / 2)),
+                next_run_time=datetime.now(UTC) if s.cron is None else None,
+                replace_existing=True,
+            )
+            intervals += [(b, c.id, s.interval_s) for b, cs in gen.work[s.name].items() for c in cs]
+        self.metrics.set_intervals(intervals)
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+    def start(self) -> None:
+        host, port = self.config.daemon.host_port
+        self.httpd, _ = start_http_server(port, addr=host, registry=self.metrics.registry)
+        self._install(self.gen)
+        self.scheduler.start()
+        log.info(
+            "started", listen=self.config.daemon.listen, schedules=[s.name for s in self.config.schedules]
+        )
+        sdnotify.notify("READY=1", f"STATUS=probing {len(self.config.backends)} backend(s)")
+
+    def reload(self) -> bool:
+        """Re-read the config; keep the old one running if the new one is invalid."""
+        self.metrics.reloads.inc()
+        sdnotify.notify("RELOADING=1", f"MONOTONIC_USEC={time.monotonic_ns() // 1000}")
+        try:
+            config = load_config(self.config_path)
+            gen = Generation.build(config)
+        except InputError as e:
+            self.metrics.reload_failures.inc()
+            log.error("reload_rejected", error=str(e))
+            sdnotify.notify("READY=1", "STATUS=reload rejected; previous config still running")
+            return False
+        for what in ("storage_url", "daemon"):
+            if getattr(config, what) != getattr(self.config, what):
+                log.warning("reload_needs_restart", setting=what)
+        old, self.gen, self.config = self.gen, gen, config
+        self._install(gen)
+        old.retire()
+        log.info("reloaded", schedules=[s.name for s in config.schedules])
+        sdnotify.notify("READY=1", f"STATUS=probing {len(config.backends)} backend(s)")
+        return True
+
+    def stop(self) -> None:
+        sdnotify.notify("STOPPING=1")
+        log.info("stopping")
+        self.scheduler.shutdown(wait=True)  # lets in-flight passes finish; probes have timeouts
+        self.gen.retire()
+        if self.httpd is not None:
+            self.httpd.shutdown()
+        self.store.close()
+        log.info("stopped")
+
+    def serve_forever(self) -> None:
+        """Main thread: signals, reloads and watchdog pings until SIGTERM/SIGINT."""
+        signal.signal(signal.SIGTERM, lambda *_: self.stop_event.set())
+        signal.signal(signal.SIGINT, lambda *_: self.stop_event.set())
+        signal.signal(signal.SIGHUP, lambda *_: self.reload_requested.set())
+        self.start()
+        period, last_ping = sdnotify.watchdog_period(), 0.0
+        try:
+            while not self.stop_event.wait(min(period or 1.0, 1.0)):
+                if self.reload_requested.is_set():
+                    self.reload_requested.clear()
+                    self.reload()
+                if period is not None and self.scheduler.running and time.monotonic() - last_ping >= period:
+                    sdnotify.notify("WATCHDOG=1")
+                    last_ping = time.monotonic()
+        finally:
+            self.stop()

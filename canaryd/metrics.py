@@ -1,0 +1,213 @@
+"""Prometheus metrics: what the last probe of every canary × backend said, and the stacks behind them.
+
+canaryd is directly instrumented (it probes on its own schedule; a scrape never triggers a probe).
+Labels are bounded: ``backend`` and ``canary`` come from the config, ``verdict`` and ``reason`` are
+enums, and free text (answers, errors, prompts) never becomes a label. The stack ``_info`` series carries
+the few identity strings a dashboard needs (engine version, fingerprint, model, stack hash), one series
+per backend at a time.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import deque
+from collections.abc import Iterable
+from importlib.metadata import version as dist_version
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+
+from canaryd.compare import Verdict
+from canaryd.observation import ErrorKind
+from canaryd.probe import BackendRun
+
+PROBE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class Metrics:
+    """Every series canaryd exports, on a registry of its own (no global state)."""
+
+    def __init__(
+        self, registry: CollectorRegistry | None = None, fingerprint_window_s: float = 3600.0
+    ) -> None:
+        disable_created_metrics()  # the *_created series double the output and no alert or panel needs them
+        self.registry = r = registry or CollectorRegistry()
+        self.fingerprint_window_s = fingerprint_window_s
+        bc = ("backend", "canary")
+        self.verdict = Gauge(
+            "canaryd_canary_verdict",
+            "1 for the verdict of the last probe, 0 for the others.",
+            (*bc, "verdict"),
+            registry=r,
+        )
+        self.correct = Gauge(
+            "canaryd_canary_correct",
+            "1 if the last answer matched the expected answer, else 0.",
+            bc,
+            registry=r,
+        )
+        self.text_match = Gauge(
+            "canaryd_canary_text_match",
+            "1 if the last answer's text equals the baseline's, else 0.",
+            bc,
+            registry=r,
+        )
+        self.logprob_delta = Gauge(
+            "canaryd_canary_logprob_delta_max",
+            "Largest |delta logprob| against the baseline over the common token prefix "
+            "(chosen tokens and shared top-k alternatives).",
+            bc,
+            registry=r,
+        )
+        self.divergence = Gauge(
+            "canaryd_canary_first_divergence_index",
+            "Token index where the last answer first differs from the baseline; -1 if none.",
+            bc,
+            registry=r,
+        )
+        self.success = Gauge(
+            "canaryd_canary_probe_success", "1 if the last probe got a usable answer, else 0.", bc, registry=r
+        )
+        self.duration = Histogram(
+            "canaryd_canary_probe_duration_seconds",
+            "Request latency of canary probes.",
+            bc,
+            buckets=PROBE_BUCKETS,
+            registry=r,
+        )
+        self.last_probe = Gauge(
+            "canaryd_canary_last_probe_timestamp_seconds",
+            "Unix time of the last probe of this canary.",
+            bc,
+            registry=r,
+        )
+        self.interval = Gauge(
+            "canaryd_canary_probe_interval_seconds",
+            "Configured interval between probes of this canary (for staleness alerts).",
+            bc,
+            registry=r,
+        )
+        self.probes = Counter("canaryd_canary_probes", "Probes sent.", bc, registry=r)
+        self.failures = Counter(
+            "canaryd_canary_probe_failures", "Probes that failed, by reason.", (*bc, "reason"), registry=r
+        )
+        self.verdicts = Counter(
+            "canaryd_canary_verdicts", "Verdicts given, by verdict.", (*bc, "verdict"), registry=r
+        )
+        self.stack_info = Gauge(
+            "canaryd_backend_stack_info",
+            "The serving stack a backend showed last.",
+            ("backend", "kind", "engine_version", "fingerprint", "model", "stack_hash"),
+            registry=r,
+        )
+        self.stack_changes = Counter(
+            "canaryd_backend_stack_changes",
+            "Times a backend's stack snapshot differed from the previous probe's.",
+            ("backend",),
+            registry=r,
+        )
+        self.fingerprints = Gauge(
+            "canaryd_backend_fingerprints",
+            "Distinct system_fingerprint values seen in the fingerprint window.",
+            ("backend",),
+            registry=r,
+        )
+        self.reachable = Gauge(
+            "canaryd_backend_reachable",
+            "1 if the last stack snapshot reached the backend, else 0.",
+            ("backend",),
+            registry=r,
+        )
+        self.schedule_runs = Counter(
+            "canaryd_schedule_runs", "Scheduled probe passes started.", ("schedule",), registry=r
+        )
+        self.schedule_missed = Counter(
+            "canaryd_schedule_missed",
+            "Scheduled passes skipped: still running, or missed their grace time.",
+            ("schedule",),
+            registry=r,
+        )
+        self.schedule_last = Gauge(
+            "canaryd_schedule_last_run_timestamp_seconds",
+            "Unix time the last pass of this schedule finished.",
+            ("schedule",),
+            registry=r,
+        )
+        self.reloads = Counter("canaryd_config_reloads", "Config reloads attempted (SIGHUP).", registry=r)
+        self.reload_failures = Counter(
+            "canaryd_config_reload_failures",
+            "Config reloads rejected; the previous config kept running.",
+            registry=r,
+        )
+        self.build_info = Gauge(
+            "canaryd_build_info", "canaryd's version.", ("version", "python_version"), registry=r
+        )
+        self.build_info.labels(dist_version("canaryd"), sys.version.split()[0]).set(1)
+        self._stack_labels: dict[str, tuple[str, ...]] = {}
+        self._stack_hash: dict[str, str] = {}
+        self._fingerprints: dict[str, deque[tuple[float, str]]] = {}
+
+    def set_intervals(self, intervals: Iterable[tuple[str, str, float]]) -> None:
+        for backend, canary, seconds in intervals:
+            self.interval.labels(backend, canary).set(seconds)
+
+    def record(self, run: BackendRun, now: float | None = None) -> None:
+        """Fold one backend's probe pass into the series."""
+        now = time.time() if now is None else now
+        b = run.backend
+        self.reachable.labels(b).set(0 if run.unavailable else 1)
+        for res in run.results:
+            obs, cmp = res.observation, res.comparison
+            c = obs.canary_id
+            for v in Verdict:
+                self.verdict.labels(b, c, v.value).set(1 if v is cmp.verdict else 0)
+            self.verdicts.labels(b, c, cmp.verdict.value).inc()
+            self.probes.labels(b, c).inc()
+            self.last_probe.labels(b, c).set(now)
+            self.success.labels(b, c).set(1 if obs.ok else 0)
+            if not obs.ok:
+                self.failures.labels(b, c, (obs.error_kind or ErrorKind.INTERNAL).value).inc()
+                continue
+            self.duration.labels(b, c).observe(obs.latency_s)
+            if cmp.correct is not None:
+                self.correct.labels(b, c).set(1 if cmp.correct else 0)
+            if cmp.text_identical is not None:
+                self.text_match.labels(b, c).set(1 if cmp.text_identical else 0)
+            d = cmp.delta
+            if d is not None:
+                self.divergence.labels(b, c).set(-1 if d.first_divergence is None else d.first_divergence)
+                self.logprob_delta.labels(b, c).set(max(d.max_abs_dlogprob or 0.0, d.max_abs_dtop or 0.0))
+            elif cmp.verdict is Verdict.BASELINE:
+                self.divergence.labels(b, c).set(-1)
+                self.logprob_delta.labels(b, c).set(0)
+            if obs.system_fingerprint:
+                self._fingerprints.setdefault(b, deque()).append((now, obs.system_fingerprint))
+        self._record_stack(run, now)
+
+    def _record_stack(self, run: BackendRun, now: float) -> None:
+        b = run.backend
+        seen = self._fingerprints.setdefault(b, deque())
+        while seen and seen[0][0] < now - self.fingerprint_window_s:
+            seen.popleft()
+        self.fingerprints.labels(b).set(len({fp for _, fp in seen}))
+        if run.unavailable or not run.stack_hash:
+            return
+        if b in self._stack_hash and self._stack_hash[b] != run.stack_hash:
+            self.stack_changes.labels(b).inc()
+        else:
+            self.stack_changes.labels(b)  # export 0 from the first probe, so increase() works
+        self._stack_hash[b] = run.stack_hash
+        fingerprint = run.stack.get("response.system_fingerprint", "")
+        labels = (
+            b,
+            run.kind,
+            run.stack.get("vllm.version", ""),
+            fingerprint,
+            run.stack.get("response.model", run.stack.get("request.model", "")),
+            run.stack_hash,
+        )
+        old = self._stack_labels.get(b)
+        if old is not None and old != labels:
+            self.stack_info.remove(*old)
+        self.stack_info.labels(*labels).set(1)
+        self._stack_labels[b] = labels
