@@ -92,7 +92,8 @@ def start_alertmanager(root: Path, webhook_url: str) -> tuple[Service, int]:
     cfg.write_text(
         "route:\n  receiver: hook\n  group_by: [alertname, backend]\n"
         "  group_wait: 1s\n  group_interval: 1s\n  repeat_interval: 1h\n"
-        f"receivers:\n  - name: hook\n    webhook_configs:\n      - url: {webhook_url}\n        send_resolved: true\n"
+        "receivers:\n  - name: hook\n    webhook_configs:\n"
+        f"      - url: {webhook_url}\n        send_resolved: true\n"
     )
     svc = Service(
         [

@@ -181,7 +181,8 @@ def test_unchanged_restart_raises_no_alert(stack):
     wait_for(
         "a successful pass after the restart",
         lambda: stack.metric(
-            f"min(canaryd_canary_probe_success) == 1 and min(canaryd_canary_last_probe_timestamp_seconds) > {ready}"
+            "min(canaryd_canary_probe_success) == 1 and "
+            f"min(canaryd_canary_last_probe_timestamp_seconds) > {ready}"
         ),
         120,
     )
