@@ -171,7 +171,7 @@ class Daemon:
     def reload(self) -> bool:
         """Re-read the config; keep the old one running if the new one is invalid."""
         self.metrics.reloads.inc()
-        sdnotify.notify("RELOADING=1", f"MONOTONIC_USEC={time.monotonic_ns() // 1000}")
+        sdnotify.reloading()
         try:
             config = load_config(self.config_path)
             gen = Generation.build(config)

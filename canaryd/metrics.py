@@ -15,7 +15,15 @@ from collections import deque
 from collections.abc import Iterable
 from importlib.metadata import version as dist_version
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
+)
 
 from canaryd.compare import Verdict
 from canaryd.observation import ErrorKind
@@ -32,6 +40,8 @@ class Metrics:
     ) -> None:
         disable_created_metrics()  # the *_created series double the output and no alert or panel needs them
         self.registry = r = registry or CollectorRegistry()
+        ProcessCollector(registry=r)  # process_resident_memory_bytes & co: watch the watcher
+        PlatformCollector(registry=r)
         self.fingerprint_window_s = fingerprint_window_s
         bc = ("backend", "canary")
         self.verdict = Gauge(
@@ -143,11 +153,40 @@ class Metrics:
             "canaryd_build_info", "canaryd's version.", ("version", "python_version"), registry=r
         )
         self.build_info.labels(dist_version("canaryd"), sys.version.split()[0]).set(1)
+        self._per_canary = (
+            self.verdict,
+            self.correct,
+            self.text_match,
+            self.logprob_delta,
+            self.divergence,
+            self.success,
+            self.duration,
+            self.last_probe,
+            self.interval,
+            self.probes,
+            self.failures,
+            self.verdicts,
+        )
+        self._per_backend = (self.stack_info, self.stack_changes, self.fingerprints, self.reachable)
+        self._seen: set[tuple[str, str]] = set()
         self._stack_labels: dict[str, tuple[str, ...]] = {}
         self._stack_hash: dict[str, str] = {}
         self._fingerprints: dict[str, deque[tuple[float, str]]] = {}
 
     def set_intervals(self, intervals: Iterable[tuple[str, str, float]]) -> None:
+        """Expected seconds between probes; canaries × backends not listed any more lose their series."""
+        intervals = list(intervals)
+        keep = {(b, c) for b, c, _ in intervals}
+        for b, c in self._seen - keep:
+            for m in self._per_canary:
+                m.remove_by_labels({"backend": b, "canary": c})
+        for b in {b for b, _ in self._seen} - {b for b, _ in keep}:
+            for m in self._per_backend:
+                m.remove_by_labels({"backend": b})
+            self._stack_labels.pop(b, None)
+            self._stack_hash.pop(b, None)
+            self._fingerprints.pop(b, None)
+        self._seen = keep
         for backend, canary, seconds in intervals:
             self.interval.labels(backend, canary).set(seconds)
 

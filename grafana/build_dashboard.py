@@ -1,0 +1,928 @@
+#!/usr/bin/env python3
+"""Generate ``grafana/canaryd-dashboard.json`` (Grafana Classic JSON model) from code.
+
+Edit this script, never the JSON. ``python grafana/build_dashboard.py`` rewrites the JSON;
+``python grafana/build_dashboard.py --check`` exits 1 if the committed JSON differs from what this script
+generates (CI and ``tests/test_dashboard.py`` run it).
+
+The dashboard is built with Grafana's own Python SDK (``grafana-foundation-sdk``, the Grafana 11.6 build,
+pinned exactly because its versions carry epoch prefixes: ``grafana-foundation-sdk==1769699379!11.6.0``).
+A few things the SDK's builders don't express are patched on the built dict in :func:`build_dashboard`
+(``"id": null``, ``"current": {}`` on the datasource variable, Prometheus annotation fields).
+
+Conventions (see the README): a ``datasource`` variable (no ``__inputs``, so both UI import and file
+provisioning work), ``job``/``instance``/``backend``/``canary`` variables, ``$__rate_interval`` in every
+``rate``/``increase`` over a scrape window, and a description and unit on every panel.
+
+:func:`panel_queries` returns every panel target and annotation expression with the template variables
+substituted, for tests that evaluate them against a real Prometheus.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import re
+import sys
+from pathlib import Path
+
+from grafana_foundation_sdk.builders import common as common_b
+from grafana_foundation_sdk.builders import dashboard as dash_b
+from grafana_foundation_sdk.builders import prometheus as prom_b
+from grafana_foundation_sdk.builders import stat, statetimeline, table, timeseries
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models import common as common_m
+from grafana_foundation_sdk.models import dashboard as dash_m
+from grafana_foundation_sdk.models import prometheus as prom_m
+
+HERE = Path(__file__).resolve().parent
+OUTPUT = HERE / "canaryd-dashboard.json"
+UID = "canaryd-overview"
+TITLE = "canaryd: canary drift overview"
+
+DS = dash_m.DataSourceRef(type_val="prometheus", uid="${datasource}")
+RATE = "$__rate_interval"
+RANGE = "$__range"
+# Minimum query interval of panels that count probes per $__rate_interval: canaryd's default probe period, so
+# that each window holds a probe pass (Grafana makes $__rate_interval at least $__interval + scrape interval).
+PROBE_PERIOD = "5m"
+
+# Label matchers every query carries.
+JOB = 'job=~"$job", instance=~"$instance"'
+BACKEND = JOB + ', backend=~"$backend"'
+CANARY = BACKEND + ', canary=~"$canary"'
+
+# canaryd.compare.Verdict values, least to most severe; the index is the code the verdict panels map.
+# tests/test_dashboard.py checks this list against the enum.
+VERDICTS: tuple[tuple[str, str], ...] = (
+    ("identical", "green"),
+    ("baseline", "blue"),
+    ("stack-change", "purple"),
+    ("logprob-drift", "yellow"),
+    ("answer-drift", "orange"),
+    ("regression", "red"),
+    ("error", "dark-red"),
+)
+DRIFT_VERDICTS = ("regression", "answer-drift", "logprob-drift", "stack-change")
+
+# Grafana built-ins as panel_queries substitutes them unless told otherwise.
+BUILTIN_DEFAULTS = {"__rate_interval": "1m", "__range": "1h", "__interval": "15s"}
+
+
+# ---------------------------------------------------------------------------------------------- queries
+
+
+def verdict_code_expr(matchers: str = CANARY) -> str:
+    """The current verdict of each backend × canary as a number (index into VERDICTS).
+
+    ``canaryd_canary_verdict`` is 1 for the last probe's verdict and 0 for the others, so the sum of
+    ``gauge × code`` over the verdicts is the code of the current one. Several canaryd instances probing
+    the same backend: the worst verdict wins.
+    """
+    terms = " or ".join(
+        f'canaryd_canary_verdict{{{matchers}, verdict="{v}"}} * {i}' for i, (v, _) in enumerate(VERDICTS)
+    )
+    return f"max by (backend, canary) (sum by (job, instance, backend, canary) ({terms}))"
+
+
+def verdict_mappings() -> list[dash_m.ValueMap]:
+    return [
+        dash_m.ValueMap(
+            options={
+                str(i): dash_m.ValueMappingResult(text=v, color=color, index=i)
+                for i, (v, color) in enumerate(VERDICTS)
+            }
+        )
+    ]
+
+
+def bool_mappings(true_text: str, false_text: str, false_color: str = "red") -> list[dash_m.ValueMap]:
+    return [
+        dash_m.ValueMap(
+            options={
+                "1": dash_m.ValueMappingResult(text=true_text, color="green", index=0),
+                "0": dash_m.ValueMappingResult(text=false_text, color=false_color, index=1),
+            }
+        )
+    ]
+
+
+def thresholds(*steps: tuple[float | None, str]) -> dash_b.ThresholdsConfig:
+    return (
+        dash_b.ThresholdsConfig()
+        .mode(dash_m.ThresholdsMode.ABSOLUTE)
+        .steps([dash_m.Threshold(value=v, color=c) for v, c in steps])
+    )
+
+
+def query(
+    ref: str, expr: str, legend: str = "__auto", *, instant: bool = False, fmt: str | None = None
+) -> prom_b.Dataquery:
+    q = prom_b.Dataquery().ref_id(ref).expr(expr).datasource(DS).legend_format(legend)
+    q = q.instant() if instant else q.range()
+    if fmt == "table":
+        q = q.format(prom_m.PromQueryFormat.TABLE)
+    return q
+
+
+# ---------------------------------------------------------------------------------------------- panels
+
+
+class Ids:
+    """Provisional panel ids; build_dashboard renumbers all panels in layout order."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def __call__(self) -> int:
+        self.n += 1
+        return self.n
+
+
+def _common(panel, ids: Ids, title: str, description: str, unit: str, w: int, h: int, targets):
+    panel = panel.id(ids()).title(title).description(description).datasource(DS).unit(unit).span(w).height(h)
+    for t in targets:
+        panel = panel.with_target(t)
+    return panel
+
+
+def stat_panel(ids, title, description, unit, w, h, targets, steps, **kw):
+    p = _common(stat.Panel(), ids, title, description, unit, w, h, targets)
+    p = (
+        p.thresholds(thresholds(*steps))
+        .color_mode(common_m.BigValueColorMode.BACKGROUND)
+        .graph_mode(common_m.BigValueGraphMode.NONE)
+        .text_mode(common_m.BigValueTextMode.VALUE_AND_NAME)
+        .reduce_options(common_b.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
+    )
+    if "mappings" in kw:
+        p = p.mappings(kw["mappings"])
+    return p
+
+
+def series_panel(ids, title, description, unit, w, h, targets, *, bars=False, stacked=False, mappings=None):
+    p = _common(timeseries.Panel(), ids, title, description, unit, w, h, targets)
+    if any(RATE in t.build().expr for t in targets):
+        p = p.interval(PROBE_PERIOD)
+    p = p.legend(
+        common_b.VizLegendOptions()
+        .display_mode(common_m.LegendDisplayMode.LIST)
+        .placement(common_m.LegendPlacement.BOTTOM)
+        .show_legend(True)
+    ).tooltip(
+        common_b.VizTooltipOptions()
+        .mode(common_m.TooltipDisplayMode.MULTI)
+        .sort(common_m.SortOrder.DESCENDING)
+    )
+    if bars:
+        p = p.draw_style(common_m.GraphDrawStyle.BARS).fill_opacity(60).line_width(1)
+    else:
+        p = (
+            p.draw_style(common_m.GraphDrawStyle.LINE)
+            .fill_opacity(10)
+            .line_width(1)
+            .show_points(common_m.VisibilityMode.AUTO)
+        )
+    if stacked:
+        p = p.stacking(common_b.StackingConfig().mode(common_m.StackingMode.NORMAL))
+    if mappings:
+        p = p.mappings(mappings)
+    return p
+
+
+def timeline_panel(ids, title, description, w, h, targets, mappings, unit="none"):
+    p = _common(statetimeline.Panel(), ids, title, description, unit, w, h, targets)
+    return (
+        p.mappings(mappings)
+        .show_value(common_m.VisibilityMode.NEVER)
+        .merge_values(True)
+        .row_height(0.8)
+        .fill_opacity(80)
+        .line_width(0)
+        .color_scheme(dash_b.FieldColor().mode(dash_m.FieldColorModeId.THRESHOLDS))
+        .thresholds(thresholds((None, "text")))
+        .legend(
+            common_b.VizLegendOptions().show_legend(False).display_mode(common_m.LegendDisplayMode.HIDDEN)
+        )
+    )
+
+
+def table_panel(
+    ids, title, description, w, h, targets, transformations, unit="none", mappings=None, cell_background=False
+):
+    p = _common(table.Panel(), ids, title, description, unit, w, h, targets)
+    for t in transformations:
+        p = p.with_transformation(t)
+    if mappings:
+        p = p.mappings(mappings)
+    if cell_background:
+        p = p.cell_options(common_m.TableColoredBackgroundCellOptions()).align(
+            common_m.FieldTextAlignment.CENTER
+        )
+    return p
+
+
+def organize(exclude: list[str], rename: dict[str, str] | None = None) -> dash_m.DataTransformerConfig:
+    return dash_m.DataTransformerConfig(
+        id_val="organize",
+        options={"excludeByName": dict.fromkeys(exclude, True), "renameByName": rename or {}},
+    )
+
+
+# ---------------------------------------------------------------------------------------------- dashboard
+
+
+def variables() -> list:
+    def qvar(name: str, label: str, q: str, description: str) -> dash_b.QueryVariable:
+        return (
+            dash_b.QueryVariable(name)
+            .label(label)
+            .description(description)
+            .datasource(DS)
+            .query(q)
+            .multi(True)
+            .include_all(True)
+            .all_value(".+")
+            .refresh(dash_m.VariableRefresh.ON_TIME_RANGE_CHANGED)
+            .sort(dash_m.VariableSort.ALPHABETICAL_ASC)
+        )
+
+    return [
+        dash_b.DatasourceVariable("datasource").label("Data source").type("prometheus"),
+        qvar("job", "Job", "label_values(canaryd_build_info, job)", "Prometheus job(s) scraping canaryd."),
+        qvar(
+            "instance",
+            "Instance",
+            'label_values(canaryd_build_info{job=~"$job"}, instance)',
+            "canaryd instance(s).",
+        ),
+        qvar(
+            "backend",
+            "Backend",
+            'label_values(canaryd_canary_verdict{job=~"$job", instance=~"$instance"}, backend)',
+            "Serving backends (from canaryd's config).",
+        ),
+        qvar(
+            "canary",
+            "Canary",
+            "label_values(canaryd_canary_verdict"
+            '{job=~"$job", instance=~"$instance", backend=~"$backend"}, canary)',
+            "Canary prompts.",
+        ),
+    ]
+
+
+def build_panels(ids: Ids) -> list[tuple[str, list]]:
+    """Rows of panels; the widths of each visual line add up to 24 (the SDK lays them out left to right)."""
+    drift = "|".join(DRIFT_VERDICTS)
+    fleet = [
+        stat_panel(
+            ids,
+            "Backends reachable",
+            "Backends whose last stack snapshot reached them (canaryd_backend_reachable), out of all the "
+            "backends canaryd probes.",
+            "short",
+            4,
+            4,
+            [
+                query(
+                    "A",
+                    f"sum(max by (backend) (canaryd_backend_reachable{{{BACKEND}}}))",
+                    "reachable",
+                    instant=True,
+                ),
+                query(
+                    "B",
+                    f"count(max by (backend) (canaryd_backend_reachable{{{BACKEND}}}))",
+                    "configured",
+                    instant=True,
+                ),
+            ],
+            [(None, "blue")],
+        ),
+        stat_panel(
+            ids,
+            "Canaries drifting",
+            "Backend × canary pairs whose last verdict is a drift: " + ", ".join(DRIFT_VERDICTS) + ".",
+            "short",
+            4,
+            4,
+            [
+                query(
+                    "A",
+                    f'sum(max by (backend, canary) (canaryd_canary_verdict{{{CANARY}, verdict=~"{drift}"}}))',
+                    "drifting",
+                    instant=True,
+                )
+            ],
+            [(None, "green"), (1, "orange")],
+        ),
+        stat_panel(
+            ids,
+            "Regressions",
+            "Backend × canary pairs whose last verdict is a regression: the baseline answered correctly, "
+            "the last probe did not.",
+            "short",
+            4,
+            4,
+            [
+                query(
+                    "A",
+                    f"sum(max by (backend, canary) (canaryd_canary_verdict{{{CANARY}, "
+                    f'verdict="regression"}}))',
+                    "regressions",
+                    instant=True,
+                )
+            ],
+            [(None, "green"), (1, "red")],
+        ),
+        stat_panel(
+            ids,
+            "Probe success ratio",
+            "Share of the time range in which each canary's last probe had a usable answer "
+            "(canaryd_canary_probe_success averaged over the range, then over canaries).",
+            "percentunit",
+            4,
+            4,
+            [
+                query(
+                    "A",
+                    f"avg(avg_over_time(canaryd_canary_probe_success{{{CANARY}}}[{RANGE}]))",
+                    "success",
+                    instant=True,
+                )
+            ],
+            [(None, "red"), (0.9, "orange"), (0.99, "green")],
+        ),
+        stat_panel(
+            ids,
+            "Stack changes",
+            "Times a backend's serving stack (engine version, model, fingerprint, …) changed between two "
+            "probes, over the time range. Each one is also an annotation on the time series.",
+            "short",
+            4,
+            4,
+            [
+                query(
+                    "A",
+                    f"sum(increase(canaryd_backend_stack_changes_total{{{BACKEND}}}[{RANGE}]))",
+                    "changes",
+                    instant=True,
+                )
+            ],
+            [(None, "green"), (1, "purple")],
+        ),
+        stat_panel(
+            ids,
+            "Oldest probe",
+            "Time since the least recent probe among the selected canaries: a large value means canaryd "
+            "stopped probing (or a schedule is stuck).",
+            "s",
+            4,
+            4,
+            [
+                query(
+                    "A",
+                    f"max(time() - canaryd_canary_last_probe_timestamp_seconds{{{CANARY}}})",
+                    "age",
+                    instant=True,
+                )
+            ],
+            [(None, "green"), (3600, "orange")],
+        ),
+    ]
+    code = verdict_code_expr()
+    verdicts = [
+        table_panel(
+            ids,
+            "Verdict matrix",
+            "Current verdict per canary (rows) and backend (columns), from canaryd_canary_verdict == 1. "
+            "identical: same tokens as the baseline; baseline: this probe became the baseline; "
+            "stack-change: same answer on a changed stack; logprob-drift / answer-drift: the "
+            "logprobs / the answer text moved; regression: was correct, now wrong; error: no usable "
+            "answer.",
+            8,
+            10,
+            [query("A", code, instant=True, fmt="table")],
+            [
+                dash_m.DataTransformerConfig(
+                    id_val="groupingToMatrix",
+                    options={
+                        "columnField": "backend",
+                        "rowField": "canary",
+                        "valueField": "Value",
+                        "emptyValue": "null",
+                    },
+                )
+            ],
+            mappings=verdict_mappings(),
+            cell_background=True,
+        ),
+        timeline_panel(
+            ids,
+            "Verdict history",
+            "Verdict of every backend × canary over time (same colours as the matrix).",
+            16,
+            10,
+            [query("A", code, "{{backend}} · {{canary}}")],
+            verdict_mappings(),
+        ),
+        series_panel(
+            ids,
+            "Verdicts given",
+            "Verdicts given per scrape interval, by verdict (canaryd_canary_verdicts_total).",
+            "short",
+            8,
+            8,
+            [
+                query(
+                    "A",
+                    f"sum by (verdict) (increase(canaryd_canary_verdicts_total{{{CANARY}}}[{RATE}]))",
+                    "{{verdict}}",
+                )
+            ],
+            bars=True,
+            stacked=True,
+        ),
+        timeline_panel(
+            ids,
+            "Correct answer",
+            "Whether the last answer matched the canary's expected answer (canaryd_canary_correct); "
+            "canaries without an expected answer have no row.",
+            8,
+            8,
+            [
+                query(
+                    "A",
+                    f"min by (backend, canary) (canaryd_canary_correct{{{CANARY}}})",
+                    "{{backend}} · {{canary}}",
+                )
+            ],
+            bool_mappings("correct", "wrong"),
+        ),
+        timeline_panel(
+            ids,
+            "Answer text equals baseline",
+            "Whether the last answer's text equals the baseline's (canaryd_canary_text_match); no "
+            "value until a canary has a baseline and one more probe.",
+            8,
+            8,
+            [
+                query(
+                    "A",
+                    f"min by (backend, canary) (canaryd_canary_text_match{{{CANARY}}})",
+                    "{{backend}} · {{canary}}",
+                )
+            ],
+            bool_mappings("same text", "different", "orange"),
+        ),
+    ]
+    drift_panels = [
+        series_panel(
+            ids,
+            "Max |Δ logprob| vs baseline",
+            "Largest absolute logprob difference (natural log, nats) against the baseline over the "
+            "common token prefix, chosen tokens and shared top-k alternatives "
+            "(canaryd_canary_logprob_delta_max). 0 = bit-identical logprobs.",
+            "suffix: nats",
+            12,
+            8,
+            [
+                query(
+                    "A",
+                    f"max by (backend, canary) (canaryd_canary_logprob_delta_max{{{CANARY}}})",
+                    "{{backend}} · {{canary}}",
+                )
+            ],
+        ),
+        series_panel(
+            ids,
+            "First divergence index",
+            "Token index at which the last answer first differs from the baseline "
+            "(canaryd_canary_first_divergence_index); -1 = no divergence. Lower = earlier drift.",
+            "none",
+            12,
+            8,
+            [
+                query(
+                    "A",
+                    f"max by (backend, canary) (canaryd_canary_first_divergence_index{{{CANARY}}})",
+                    "{{backend}} · {{canary}}",
+                )
+            ],
+            mappings=[dash_m.ValueMap(options={"-1": dash_m.ValueMappingResult(text="none", index=0)})],
+        ),
+    ]
+    probes = [
+        series_panel(
+            ids,
+            "Probe latency",
+            "p50 / p95 / p99 request latency of successful probes per backend, from the "
+            "canaryd_canary_probe_duration_seconds histogram.",
+            "s",
+            8,
+            8,
+            [
+                query(
+                    ref,
+                    f"histogram_quantile({q}, sum by (le, backend) "
+                    f"(rate(canaryd_canary_probe_duration_seconds_bucket{{{CANARY}}}[{RATE}])))",
+                    f"p{round(q * 100)} {{{{backend}}}}",
+                )
+                for ref, q in (("A", 0.5), ("B", 0.95), ("C", 0.99))
+            ],
+        ),
+        series_panel(
+            ids,
+            "Probes and failures by reason",
+            "Probes sent (canaryd_canary_probes_total) and failed probes by reason "
+            "(canaryd_canary_probe_failures_total) per scrape interval. A backend without failures shows "
+            'a zero line with reason "none".',
+            "short",
+            8,
+            8,
+            [
+                query(
+                    "A",
+                    f"sum by (backend) (increase(canaryd_canary_probes_total{{{CANARY}}}[{RATE}]))",
+                    "{{backend}} probes",
+                ),
+                query(
+                    "B",
+                    f"sum by (backend, reason) "
+                    f"(increase(canaryd_canary_probe_failures_total{{{CANARY}}}[{RATE}])) "
+                    f"or on (backend) label_replace(sum by (backend) "
+                    f"(0 * increase(canaryd_canary_probes_total{{{CANARY}}}[{RATE}])), "
+                    f'"reason", "none", "", "")',
+                    "{{backend}} failed: {{reason}}",
+                ),
+            ],
+            bars=True,
+        ),
+        series_panel(
+            ids,
+            "Time since last probe",
+            "Age of each canary's last probe (canaryd_canary_last_probe_timestamp_seconds) next to its "
+            "configured interval (canaryd_canary_probe_interval_seconds). Age well above the interval "
+            "= stale.",
+            "s",
+            8,
+            8,
+            [
+                query(
+                    "A",
+                    f"max by (backend, canary) "
+                    f"(time() - canaryd_canary_last_probe_timestamp_seconds{{{CANARY}}})",
+                    "{{backend}} · {{canary}}",
+                ),
+                query(
+                    "B",
+                    f"max by (backend) (canaryd_canary_probe_interval_seconds{{{CANARY}}})",
+                    "{{backend}} interval",
+                ),
+            ],
+        ),
+    ]
+    stack = [
+        table_panel(
+            ids,
+            "Current serving stack",
+            "What each backend showed last (canaryd_backend_stack_info): kind, engine version, "
+            "system_fingerprint, model and canaryd's hash of the whole stack snapshot.",
+            16,
+            7,
+            [
+                query(
+                    "A",
+                    "max by (backend, kind, engine_version, fingerprint, model, stack_hash) "
+                    f"(canaryd_backend_stack_info{{{BACKEND}}})",
+                    instant=True,
+                    fmt="table",
+                )
+            ],
+            [organize(["Time", "Value"], {"engine_version": "engine version", "stack_hash": "stack hash"})],
+        ),
+        series_panel(
+            ids,
+            "Distinct fingerprints",
+            "Distinct system_fingerprint values a backend returned within canaryd's fingerprint window "
+            "(canaryd_backend_fingerprints). More than 1 = the provider rotated its serving config.",
+            "short",
+            8,
+            7,
+            [query("A", f"max by (backend) (canaryd_backend_fingerprints{{{BACKEND}}})", "{{backend}}")],
+        ),
+        timeline_panel(
+            ids,
+            "Stack history",
+            "Which serving stack each backend ran over time: one row per backend, engine version, "
+            "fingerprint and stack hash (canaryd_backend_stack_info).",
+            12,
+            8,
+            [
+                query(
+                    "A",
+                    "max by (backend, engine_version, fingerprint, stack_hash) "
+                    f"(canaryd_backend_stack_info{{{BACKEND}}})",
+                    "{{backend}} {{engine_version}} {{fingerprint}} {{stack_hash}}",
+                )
+            ],
+            [
+                dash_m.ValueMap(
+                    options={"1": dash_m.ValueMappingResult(text="active", color="purple", index=0)}
+                )
+            ],
+        ),
+        series_panel(
+            ids,
+            "Stack changes per interval",
+            "Stack changes detected per scrape interval (canaryd_backend_stack_changes_total).",
+            "short",
+            6,
+            8,
+            [
+                query(
+                    "A",
+                    f"sum by (backend) (increase(canaryd_backend_stack_changes_total{{{BACKEND}}}[{RATE}]))",
+                    "{{backend}}",
+                )
+            ],
+            bars=True,
+        ),
+        timeline_panel(
+            ids,
+            "Backend reachable",
+            "Whether the last stack snapshot reached the backend (canaryd_backend_reachable).",
+            6,
+            8,
+            [query("A", f"max by (backend) (canaryd_backend_reachable{{{BACKEND}}})", "{{backend}}")],
+            bool_mappings("up", "down"),
+        ),
+    ]
+    process = [
+        series_panel(
+            ids,
+            "Schedule runs and missed runs",
+            "Scheduled probe passes started (canaryd_schedule_runs_total) and skipped because the "
+            "previous pass still ran or missed its grace time (canaryd_schedule_missed_total), per "
+            "scrape interval.",
+            "short",
+            10,
+            7,
+            [
+                query(
+                    "A",
+                    f"sum by (schedule) (increase(canaryd_schedule_runs_total{{{JOB}}}[{RATE}]))",
+                    "{{schedule}} runs",
+                ),
+                query(
+                    "B",
+                    f"sum by (schedule) (increase(canaryd_schedule_missed_total{{{JOB}}}[{RATE}])) "
+                    f"or sum by (schedule) (0 * increase(canaryd_schedule_runs_total{{{JOB}}}[{RATE}]))",
+                    "{{schedule}} missed",
+                ),
+            ],
+            bars=True,
+        ),
+        stat_panel(
+            ids,
+            "Since last scheduled pass",
+            "Time since the least recently finished schedule's last pass "
+            "(canaryd_schedule_last_run_timestamp_seconds).",
+            "s",
+            4,
+            7,
+            [
+                query(
+                    "A",
+                    f"max(time() - max by (schedule) (canaryd_schedule_last_run_timestamp_seconds{{{JOB}}}))",
+                    "age",
+                    instant=True,
+                )
+            ],
+            [(None, "green"), (3600, "orange")],
+        ),
+        stat_panel(
+            ids,
+            "Config reloads",
+            "SIGHUP config reloads attempted and rejected over the time range (a rejected reload keeps "
+            "the previous config running).",
+            "short",
+            4,
+            7,
+            [
+                query(
+                    "A",
+                    f"sum(increase(canaryd_config_reloads_total{{{JOB}}}[{RANGE}]))",
+                    "reloads",
+                    instant=True,
+                ),
+                query(
+                    "B",
+                    f"sum(increase(canaryd_config_reload_failures_total{{{JOB}}}[{RANGE}]))",
+                    "rejected",
+                    instant=True,
+                ),
+            ],
+            [(None, "blue")],
+        ),
+        table_panel(
+            ids,
+            "Build info",
+            "canaryd and Python versions per instance (canaryd_build_info).",
+            6,
+            7,
+            [
+                query(
+                    "A",
+                    f"max by (instance, version, python_version) (canaryd_build_info{{{JOB}}})",
+                    instant=True,
+                    fmt="table",
+                )
+            ],
+            [organize(["Time", "Value"], {"python_version": "python"})],
+        ),
+    ]
+    return [
+        ("Fleet overview", fleet),
+        ("Verdicts", verdicts),
+        ("Drift", drift_panels),
+        ("Probes", probes),
+        ("Serving stack", stack),
+        ("canaryd", process),
+    ]
+
+
+def stack_change_annotation() -> dash_b.AnnotationQuery:
+    return (
+        dash_b.AnnotationQuery()
+        .name("Stack changes")
+        .datasource(DS)
+        .enable(True)
+        .icon_color("purple")
+        .expr(f"sum by (backend) (increase(canaryd_backend_stack_changes_total{{{BACKEND}}}[{RATE}])) > 0")
+    )
+
+
+def build_dashboard() -> dict:
+    """The dashboard as a plain JSON-ready dict."""
+    ids = Ids()
+    d = (
+        dash_b.Dashboard(TITLE)
+        .uid(UID)
+        .description(
+            "Known-answer canaries against LLM serving backends: verdicts, logprob drift, serving-stack "
+            "changes. Generated by grafana/build_dashboard.py."
+        )
+        .tags(["canaryd"])
+        .readonly()
+        .tooltip(dash_m.DashboardCursorSync.CROSSHAIR)
+        .time("now-6h", "now")
+        .refresh("1m")
+        .link(
+            dash_b.DashboardLink("canaryd")
+            .type(dash_m.DashboardLinkType.DASHBOARDS)
+            .tags(["canaryd"])
+            .as_dropdown(True)
+            .include_vars(True)
+            .keep_time(True)
+        )
+        .annotation(stack_change_annotation())
+    )
+    for v in variables():
+        d = d.with_variable(v)
+    for row_title, panels in build_panels(ids):
+        d = d.with_row(dash_b.Row(row_title).id(ids()))
+        for p in panels:
+            d = d.with_panel(p)
+    out = json.loads(json.dumps(d.build(), cls=JSONEncoder))
+    # What the SDK's builders don't express.
+    out["id"] = None  # the database assigns it; provisioning and import match on uid
+    for i, p in enumerate(out["panels"], 1):
+        p["id"] = i  # in layout order, rows included
+    for v in out["templating"]["list"]:
+        if v["type"] == "datasource":
+            v.update(current={}, refresh=1, hide=0)  # {} → Grafana picks the default Prometheus
+    for a in out["annotations"]["list"]:
+        a.update(
+            step="60s",
+            titleFormat="Stack change: {{backend}}",
+            textFormat="serving stack of {{backend}} changed between two probes",
+            tagKeys="backend",
+            useValueForTime=False,
+        )
+    out["annotations"]["list"].insert(
+        0,
+        {
+            "builtIn": 1,
+            "datasource": {"type": "grafana", "uid": "-- Grafana --"},
+            "enable": True,
+            "hide": True,
+            "iconColor": "rgba(0, 211, 255, 1)",
+            "name": "Annotations & Alerts",
+            "type": "dashboard",
+        },
+    )
+    return out
+
+
+def render() -> str:
+    return json.dumps(build_dashboard(), indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------- queries out
+
+_VAR = re.compile(r"\$(?:\{(\w+)(?::\w+)?\}|(\w+))")
+
+
+def all_panels(dashboard: dict) -> list[dict]:
+    """Every panel, rows' nested panels included (rows themselves excluded)."""
+    out = []
+    for p in dashboard.get("panels", []):
+        if p.get("type") == "row":
+            out.extend(p.get("panels", []))
+        else:
+            out.append(p)
+    return out
+
+
+def substitute(expr: str, dashboard: dict, variables: dict[str, str] | None = None) -> str:
+    """Replace Grafana template variables in ``expr`` like Grafana would.
+
+    ``variables`` maps names (``backend``, ``__rate_interval``, with or without ``$``) to the text to insert;
+    values go in verbatim, so a multi-value selection is a regex such as ``(a|b)``. Unset built-ins use
+    BUILTIN_DEFAULTS; unset query variables use their ``allValue`` (``.+``, what Grafana's "All" inserts).
+    An unknown variable raises KeyError.
+    """
+    given = {k.lstrip("$"): v for k, v in (variables or {}).items()}
+    alls = {
+        v["name"]: v.get("allValue") or ".*"
+        for v in dashboard.get("templating", {}).get("list", [])
+        if v.get("type") == "query"
+    }
+
+    def repl(m: re.Match) -> str:
+        name = m.group(1) or m.group(2)
+        for table_ in (given, BUILTIN_DEFAULTS, alls):
+            if name in table_:
+                return table_[name]
+        raise KeyError(f"unknown template variable ${name} in {expr!r}")
+
+    return _VAR.sub(repl, expr)
+
+
+def panel_queries(dashboard: dict, variables: dict[str, str] | None = None) -> list[tuple[str, str]]:
+    """(panel title, PromQL) for every panel target and every Prometheus annotation, variables substituted.
+
+    Annotations are titled ``"annotation: <name>"``. See :func:`substitute` for ``variables``.
+    """
+    out = []
+    for p in all_panels(dashboard):
+        for t in p.get("targets", []):
+            if t.get("expr") and not t.get("hide"):
+                out.append((p["title"], substitute(t["expr"], dashboard, variables)))
+    for a in dashboard.get("annotations", {}).get("list", []):
+        if a.get("expr"):
+            out.append((f"annotation: {a['name']}", substitute(a["expr"], dashboard, variables)))
+    return out
+
+
+def variable_queries(dashboard: dict, variables: dict[str, str] | None = None) -> list[tuple[str, str, str]]:
+    """(variable name, series selector, label) for every ``label_values(selector, label)`` query variable."""
+    out = []
+    for v in dashboard.get("templating", {}).get("list", []):
+        q = v.get("query")
+        if v.get("type") == "query" and isinstance(q, str):
+            m = re.fullmatch(r"label_values\((.*),\s*(\w+)\)", q.strip())
+            if m:
+                out.append((v["name"], substitute(m.group(1), dashboard, variables), m.group(2)))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 if the JSON on disk is stale; write nothing")
+    ap.add_argument("--output", type=Path, default=OUTPUT, help=f"default: {OUTPUT}")
+    args = ap.parse_args(argv)
+    text = render()
+    if args.check:
+        current = args.output.read_text() if args.output.exists() else ""
+        if current != text:
+            diff = difflib.unified_diff(
+                current.splitlines(), text.splitlines(), str(args.output), "generated", lineterm="", n=1
+            )
+            print("\n".join(list(diff)[:60]), file=sys.stderr)
+            print(f"{args.output} is stale: run python grafana/build_dashboard.py", file=sys.stderr)
+            return 1
+        return 0
+    args.output.write_text(text)
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
