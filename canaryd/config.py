@@ -47,28 +47,51 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class HostProbe(_Strict):
+    """Facts about a vLLM server's host, gathered when canaryd runs on that host (off by default)."""
+
+    python: Path  # the serving venv's interpreter, e.g. /opt/vllm/bin/python
+    model_dir: Path | None = None  # weights directory to hash (default: the server's /v1/models root)
+
+
 class BackendConfig(_Strict):
     name: Annotated[str, Field(pattern=ID_PATTERN)]
-    kind: Literal["vllm", "openai"]
-    base_url: str
-    model: str
+    kind: Literal["vllm", "openai", "vllm-offline"]
+    base_url: str | None = None  # required for vllm and openai
+    model: str  # served model name; for vllm-offline the path or id given to vllm.LLM
     api_key_env: Annotated[str | None, Field(pattern=_ENV_NAME)] = None
     api_key_file: Path | None = None
     timeout_s: Annotated[float, Field(gt=0, le=3600)] = 60.0
     connect_timeout_s: Annotated[float, Field(gt=0, le=600)] = 5.0
     concurrency: Annotated[int, Field(ge=1, le=256)] = 4
+    # vllm-offline: keyword arguments for vllm.LLM (dtype, quantization, kv_cache_dtype, enforce_eager, seed,
+    # max_model_len, ...) and environment variables set before the engine starts (VLLM_BATCH_INVARIANT, ...).
+    engine: dict[str, str | int | float | bool] = {}
+    env: dict[str, str] = {}
+    host_probe: HostProbe | None = None  # vllm only
 
     @field_validator("base_url")
     @classmethod
-    def _http_url(cls, v: str) -> str:
-        if not re.match(r"^https?://[^\s/]+", v):
+    def _http_url(cls, v: str | None) -> str | None:
+        if v is not None and not re.match(r"^https?://[^\s/]+", v):
             raise ValueError("must be an http:// or https:// URL")
-        return v.rstrip("/")
+        return v.rstrip("/") if v else v
 
     @model_validator(mode="after")
-    def _one_key_source(self) -> Self:
+    def _kind_fields(self) -> Self:
         if self.api_key_env and self.api_key_file:
             raise ValueError("give at most one of api_key_env, api_key_file")
+        if self.kind == "vllm-offline":
+            for name in ("base_url", "api_key_env", "api_key_file", "host_probe"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} does not apply to kind vllm-offline")
+        else:
+            if self.base_url is None:
+                raise ValueError(f"base_url is required for kind {self.kind}")
+            if self.engine or self.env:
+                raise ValueError("engine and env apply only to kind vllm-offline")
+            if self.host_probe is not None and self.kind != "vllm":
+                raise ValueError("host_probe applies only to kind vllm")
         return self
 
     def api_key(self) -> str | None:
