@@ -23,6 +23,7 @@ import httpx2
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from canaryd import log  # noqa: E402
 from canaryd.config import load_config  # noqa: E402
 from canaryd.daemon import Daemon  # noqa: E402
 from canaryd.probe import run_pass  # noqa: E402
@@ -61,6 +62,7 @@ def main() -> None:
         "--cycles", type=int, default=288, help="daemon passes for the memory figure (288 = a day at 5m)"
     )
     args = ap.parse_args()
+    log.configure("warning")
 
     work = Path(tempfile.mkdtemp(prefix="canaryd-bench-"))
     model = build_tiny_model(REPO / ".cache" / "test-models" / "random-seed0", seed=0)
@@ -114,10 +116,11 @@ def main() -> None:
         rss1 = rss_mib()
         url = f"http://127.0.0.1:{metrics_port}/metrics"
         scrape = []
-        for _ in range(50):
-            t = time.perf_counter()
-            body = httpx2.get(url).content
-            scrape.append(time.perf_counter() - t)
+        with httpx2.Client() as client:  # one client, as a Prometheus server keeps its connection
+            for _ in range(50):
+                t = time.perf_counter()
+                body = client.get(url).content
+                scrape.append(time.perf_counter() - t)
         daemon.stop()
         p50, p95 = statistics.median(scrape) * 1000, statistics.quantiles(scrape, n=20)[-1] * 1000
         rows += [

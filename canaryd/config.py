@@ -64,6 +64,14 @@ class BackendConfig(_Strict):
     timeout_s: Annotated[float, Field(gt=0, le=3600)] = 60.0
     connect_timeout_s: Annotated[float, Field(gt=0, le=600)] = 5.0
     concurrency: Annotated[int, Field(ge=1, le=256)] = 4
+    # Transient failures (connect, timeout, 429, 5xx, cut body) are retried this often, with exponential
+    # backoff and jitter (Retry-After honoured, capped); after breaker_failures failed probes in a row the
+    # backend is left alone for breaker_cooldown.
+    retries: Annotated[int, Field(ge=0, le=10)] = 2
+    retry_backoff: Duration = 0.5
+    retry_max_wait: Duration = 30.0
+    breaker_failures: Annotated[int, Field(ge=1, le=1000)] = 5
+    breaker_cooldown: Duration = 60.0
     # vllm-offline: keyword arguments for vllm.LLM (dtype, quantization, kv_cache_dtype, enforce_eager, seed,
     # max_model_len, ...) and environment variables set before the engine starts (VLLM_BATCH_INVARIANT, ...).
     engine: dict[str, str | int | float | bool] = {}

@@ -98,6 +98,9 @@ class Metrics:
             registry=r,
         )
         self.probes = Counter("canaryd_canary_probes", "Probes sent.", bc, registry=r)
+        self.retries = Counter(
+            "canaryd_canary_probe_retries", "Extra attempts after transient failures.", bc, registry=r
+        )
         self.failures = Counter(
             "canaryd_canary_probe_failures", "Probes that failed, by reason.", (*bc, "reason"), registry=r
         )
@@ -164,6 +167,7 @@ class Metrics:
             self.last_probe,
             self.interval,
             self.probes,
+            self.retries,
             self.failures,
             self.verdicts,
         )
@@ -202,6 +206,8 @@ class Metrics:
                 self.verdict.labels(b, c, v.value).set(1 if v is cmp.verdict else 0)
             self.verdicts.labels(b, c, cmp.verdict.value).inc()
             self.probes.labels(b, c).inc()
+            if obs.attempts > 1:
+                self.retries.labels(b, c).inc(obs.attempts - 1)
             self.last_probe.labels(b, c).set(now)
             self.success.labels(b, c).set(1 if obs.ok else 0)
             if not obs.ok:

@@ -20,13 +20,21 @@ class ErrorKind(enum.StrEnum):
     HTTP_5XX = "http_5xx"
     AUTH = "auth"
     INVALID_RESPONSE = "invalid_response"
+    TRUNCATED = "truncated"  # the connection closed mid-body
     NO_LOGPROBS = "no_logprobs"
+    CIRCUIT_OPEN = "circuit_open"  # not sent: the backend failed repeatedly and is cooling down
     INTERNAL = "internal"
 
     @property
-    def unreachable(self) -> bool:
-        """True when the backend could not be reached at all (the gate's exit code 3)."""
-        return self in (ErrorKind.CONNECT, ErrorKind.TIMEOUT)
+    def retryable(self) -> bool:
+        """Transient failures worth another attempt; a 4xx or a malformed 200 will not improve."""
+        return self in (
+            ErrorKind.CONNECT,
+            ErrorKind.TIMEOUT,
+            ErrorKind.RATE_LIMITED,
+            ErrorKind.HTTP_5XX,
+            ErrorKind.TRUNCATED,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +70,7 @@ class Observation:
     error: str | None = None
     error_kind: ErrorKind | None = None
     stack: dict[str, str] = field(default_factory=dict)  # serving-side facts, see stack.py
+    attempts: int = 1  # requests sent for this observation (retries included)
 
     @property
     def ok(self) -> bool:

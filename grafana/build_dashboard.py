@@ -535,10 +535,10 @@ def build_panels(ids: Ids) -> list[tuple[str, list]]:
         ),
         series_panel(
             ids,
-            "Probes and failures by reason",
-            "Probes sent (canaryd_canary_probes_total) and failed probes by reason "
-            "(canaryd_canary_probe_failures_total) per scrape interval. A backend without failures shows "
-            'a zero line with reason "none".',
+            "Probes, retries and failures by reason",
+            "Probes sent (canaryd_canary_probes_total), failed probes by reason "
+            "(canaryd_canary_probe_failures_total) and retries (canaryd_canary_probe_retries_total) per "
+            'scrape interval. A backend without failures shows a zero line with reason "none".',
             "short",
             8,
             8,
@@ -556,6 +556,13 @@ def build_panels(ids: Ids) -> list[tuple[str, list]]:
                     f"(0 * increase(canaryd_canary_probes_total{{{CANARY}}}[{RATE}])), "
                     f'"reason", "none", "", "")',
                     "{{backend}} failed: {{reason}}",
+                ),
+                query(
+                    "C",
+                    f"sum by (backend) (increase(canaryd_canary_probe_retries_total{{{CANARY}}}[{RATE}])) "
+                    f"or on (backend) sum by (backend) "
+                    f"(0 * increase(canaryd_canary_probes_total{{{CANARY}}}[{RATE}]))",
+                    "{{backend}} retries",
                 ),
             ],
             bars=True,

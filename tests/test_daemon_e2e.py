@@ -163,8 +163,9 @@ def test_daemon_probes_exports_lint_clean_metrics_and_notifies_systemd(stack):
     assert "canaryd_build_info{" in exposition and "sk-" not in exposition
 
     t0 = time.perf_counter()
-    for _ in range(20):
-        httpx2.get(stack.metrics_url)
+    with httpx2.Client() as client:
+        for _ in range(20):
+            client.get(stack.metrics_url)
     print(
         f"\nFIGURE /metrics scrape latency: {(time.perf_counter() - t0) / 20 * 1000:.1f} ms "
         f"({len(exposition)} bytes)"

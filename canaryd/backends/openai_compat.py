@@ -17,6 +17,7 @@ import httpx2
 import openai
 
 from canaryd.backends import BackendUnavailable
+from canaryd.breaker import CircuitBreaker, RetryPolicy
 from canaryd.canaries import Canary
 from canaryd.config import BackendConfig
 from canaryd.observation import ErrorKind, Observation, TokenLogprob
@@ -38,6 +39,34 @@ IDENTITY_HEADERS = ("server", "openai-version", "openai-model", "x-openrouter-pr
 
 def _keep_header(name: str) -> bool:
     return name in RECORDED_HEADERS or name.startswith("x-ratelimit-")
+
+
+# Request fields the openai SDK takes as keyword arguments; the rest travel in extra_body.
+_SDK_PARAMS = frozenset(
+    {
+        "model",
+        "messages",
+        "prompt",
+        "temperature",
+        "top_p",
+        "max_tokens",
+        "n",
+        "seed",
+        "stop",
+        "logprobs",
+        "top_logprobs",
+        "presence_penalty",
+        "frequency_penalty",
+    }
+)
+
+
+def _seconds(value: str | None) -> float | None:
+    """A Retry-After header in seconds (the HTTP-date form is rare for APIs and treated as absent)."""
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None
 
 
 class InvalidResponse(Exception):
@@ -119,6 +148,8 @@ class OpenAICompatBackend:
         self.cfg = cfg
         self.name = cfg.name
         self.concurrency = cfg.concurrency
+        self.retry = RetryPolicy(cfg.retries, cfg.retry_backoff, cfg.retry_max_wait)
+        self.breaker = CircuitBreaker(cfg.breaker_failures, cfg.breaker_cooldown)
         self._key = cfg.api_key()
         timeout = httpx2.Timeout(cfg.timeout_s, connect=cfg.connect_timeout_s)
         self.http = httpx2.Client(
@@ -182,32 +213,48 @@ class OpenAICompatBackend:
         return {**body, **self.extra_params(canary)}
 
     def probe(self, canary: Canary) -> Observation:
+        """Send one canary, retrying transient failures; never raises."""
         body = self.request_body(canary)
-        obs = Observation(
+        started = utcnow()
+        if not self.breaker.allow():
+            obs = self._observation(canary, body, started)
+            obs.error_kind, obs.attempts = ErrorKind.CIRCUIT_OPEN, 0
+            obs.error = f"not sent: {self.breaker.failures}+ failed probes in a row, cooling down"
+            return obs
+        attempt = 1
+        while True:
+            obs = self._attempt(canary, body, started)
+            obs.attempts = attempt
+            if (
+                obs.ok
+                or obs.error_kind is None
+                or not obs.error_kind.retryable
+                or attempt > self.retry.retries
+            ):
+                break
+            retry_after = _seconds(obs.headers.get("retry-after"))
+            time.sleep(self.retry.wait_s(attempt, retry_after))
+            attempt += 1
+        if attempt > 1 and obs.error:
+            obs.error = f"{obs.error} (after {attempt} attempts)"
+        # Only transport-level failures trip the breaker: a malformed answer is the backend's answer.
+        self.breaker.record(obs.ok or not obs.error_kind.retryable)  # type: ignore[union-attr]
+        return obs
+
+    def _observation(self, canary: Canary, body: dict, started) -> Observation:
+        return Observation(
             backend=self.name,
             canary_id=canary.id,
             suite=canary.suite,
-            started_at=utcnow(),
+            started_at=started,
             request=body,
             request_hash=request_hash(body),
         )
-        known = {
-            "model",
-            "messages",
-            "prompt",
-            "temperature",
-            "top_p",
-            "max_tokens",
-            "n",
-            "seed",
-            "stop",
-            "logprobs",
-            "top_logprobs",
-            "presence_penalty",
-            "frequency_penalty",
-        }
-        kwargs = {k: v for k, v in body.items() if k in known}
-        extra = {k: v for k, v in body.items() if k not in known}
+
+    def _attempt(self, canary: Canary, body: dict, started) -> Observation:
+        obs = self._observation(canary, body, started)
+        kwargs = {k: v for k, v in body.items() if k in _SDK_PARAMS}
+        extra = {k: v for k, v in body.items() if k not in _SDK_PARAMS}
         endpoint = self.client.chat.completions if canary.messages is not None else self.client.completions
         parse: Callable = parse_chat if canary.messages is not None else parse_completion
         t0 = time.perf_counter()
@@ -239,6 +286,8 @@ class OpenAICompatBackend:
             obs.error_kind, obs.error = ErrorKind.INVALID_RESPONSE, str(e)
         except openai.APIError as e:
             obs.error_kind, obs.error = classify(e), self.redact(_describe(e))
+            if isinstance(e, openai.APIStatusError):
+                obs.headers = {k: v for k, v in e.response.headers.items() if _keep_header(k.lower())}
         obs.latency_s = obs.latency_s or time.perf_counter() - t0
         return obs
 
@@ -266,7 +315,8 @@ def classify(e: openai.APIError) -> ErrorKind:
     if isinstance(e, openai.APITimeoutError):
         return ErrorKind.TIMEOUT
     if isinstance(e, openai.APIConnectionError):
-        return ErrorKind.CONNECT
+        cut = isinstance(e.__cause__, httpx2.RemoteProtocolError | httpx2.ReadError)
+        return ErrorKind.TRUNCATED if cut else ErrorKind.CONNECT
     if isinstance(e, openai.RateLimitError):
         return ErrorKind.RATE_LIMITED
     if isinstance(e, openai.AuthenticationError | openai.PermissionDeniedError):
