@@ -130,9 +130,12 @@ def test_baseline_then_unchanged_probe_is_identical(lab, tiny_model):
         assert code == 0, report
         assert set(verdicts(report).values()) == {"identical"}
         # a wrong key is refused by the server: an auth error, exit 3, never a drift verdict
-        p = lab.cli("check", "--json", "--backend", "compat", key="sk-wrong")
+        p = lab.cli("--log-level", "debug", "check", "--json", "--backend", "compat", key="sk-wrong-0d6c1e")
         assert p.returncode == 3
         assert {r["error_kind"] for r in json.loads(p.stdout)["results"]} == {"auth"}
+        debug = lab.cli("--log-level", "debug", "check", "--backend", "compat")
+        for out in (p.stdout, p.stderr, debug.stdout, debug.stderr):
+            assert KEY not in out and "sk-wrong-0d6c1e" not in out
 
     rows = (
         lab.db()
