@@ -11,6 +11,7 @@ import hashlib
 import json
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx2
@@ -73,28 +74,64 @@ class InvalidResponse(Exception):
     """The server answered 2xx with a body we cannot use; the message names the field."""
 
 
-def _field(obj: Any, *path: str | int) -> Any:
-    """``obj[path0][path1]…`` with an `InvalidResponse` naming the missing or mistyped field."""
-    cur = obj
-    for i, key in enumerate(path):
-        try:
-            cur = cur[key]
-        except (KeyError, IndexError, TypeError):
-            name = ".".join(str(p) for p in path[: i + 1])
-            raise InvalidResponse(f"response has no field {name}") from None
-    return cur
+@dataclass(frozen=True, slots=True)
+class Parsed:
+    """What canaryd takes from a completion body; ``tokens`` is None when the server sent no logprobs."""
+
+    text: str | None
+    tokens: list[TokenLogprob] | None
+    finish_reason: str | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    system_fingerprint: str | None
+    model: str | None
+    service_tier: str | None
 
 
-def parse_chat(body: Any) -> tuple[str | None, list[TokenLogprob] | None]:
-    """Text and per-token logprobs of a chat completion (``None`` logprobs: the server sent none)."""
-    choice = _field(body, "choices", 0)
-    text = _field(choice, "message").get("content") if isinstance(choice.get("message"), dict) else None
-    if text is not None and not isinstance(text, str):
-        raise InvalidResponse("choices.0.message.content is not a string")
-    content = (choice.get("logprobs") or {}).get("content")
-    if content is None:
-        return text, None
+def _typed(value: Any, kind: type | tuple[type, ...], where: str, optional: bool = True) -> Any:
+    """``value`` if it has the expected JSON type (or is absent and optional), else `InvalidResponse`."""
+    if value is None and optional:
+        return None
+    if (isinstance(value, bool) and kind is int) or not isinstance(value, kind):
+        raise InvalidResponse(f"response field {where} has type {type(value).__name__}")
+    return value
+
+
+def _envelope(body: Any) -> tuple[dict, Parsed]:
+    """The first choice, and the fields common to chat and legacy completions."""
+    body = _typed(body, dict, "(body)", optional=False)
+    choices = _typed(body.get("choices"), list, "choices", optional=False)
+    if not choices:
+        raise InvalidResponse("response has no choices")
+    choice = _typed(choices[0], dict, "choices.0", optional=False)
+    usage = _typed(body.get("usage"), dict, "usage") or {}
+    return choice, Parsed(
+        text=None,
+        tokens=None,
+        finish_reason=_typed(choice.get("finish_reason"), str, "choices.0.finish_reason"),
+        prompt_tokens=_typed(usage.get("prompt_tokens"), int, "usage.prompt_tokens"),
+        completion_tokens=_typed(usage.get("completion_tokens"), int, "usage.completion_tokens"),
+        system_fingerprint=_typed(body.get("system_fingerprint"), str, "system_fingerprint"),
+        model=_typed(body.get("model"), str, "model"),
+        service_tier=_typed(body.get("service_tier"), str, "service_tier"),
+    )
+
+
+def _token_ids(choice: dict) -> list | None:
     ids = choice.get("token_ids")  # vLLM with return_token_ids
+    return ids if isinstance(ids, list) else None
+
+
+def parse_chat(body: Any) -> Parsed:
+    """A chat completion body."""
+    choice, parsed = _envelope(body)
+    message = _typed(choice.get("message"), dict, "choices.0.message") or {}
+    text = _typed(message.get("content"), str, "choices.0.message.content")
+    logprobs = _typed(choice.get("logprobs"), dict, "choices.0.logprobs") or {}
+    content = _typed(logprobs.get("content"), list, "choices.0.logprobs.content")
+    if content is None:
+        return replace(parsed, text=text)
+    ids = _token_ids(choice)
     tokens = []
     for i, c in enumerate(content):
         try:
@@ -102,37 +139,40 @@ def parse_chat(body: Any) -> tuple[str | None, list[TokenLogprob] | None]:
                 TokenLogprob(
                     token=str(c["token"]),
                     logprob=float(c["logprob"]),
-                    token_id=int(ids[i]) if isinstance(ids, list) and i < len(ids) else None,
+                    token_id=int(ids[i]) if ids is not None and i < len(ids) else None,
                     bytes=tuple(int(b) for b in c["bytes"]) if c.get("bytes") is not None else None,
                     top=tuple((str(t["token"]), float(t["logprob"])) for t in c.get("top_logprobs") or ()),
                 )
             )
-        except (KeyError, TypeError, ValueError) as e:
-            raise InvalidResponse(f"choices.0.logprobs.content.{i}: malformed ({e!r})") from None
-    return text, tokens
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise InvalidResponse(
+                f"choices.0.logprobs.content.{i}: malformed ({e.__class__.__name__})"
+            ) from None
+    return replace(parsed, text=text, tokens=tokens)
 
 
-def parse_completion(body: Any) -> tuple[str | None, list[TokenLogprob] | None]:
-    """Text and per-token logprobs of a legacy completion (``logprobs`` as parallel lists)."""
-    choice = _field(body, "choices", 0)
-    text = choice.get("text")
-    lp = choice.get("logprobs")
-    if not lp or lp.get("tokens") is None:
-        return text, None
-    ids = choice.get("token_ids")
+def parse_completion(body: Any) -> Parsed:
+    """A legacy completion body (``logprobs`` as parallel lists)."""
+    choice, parsed = _envelope(body)
+    text = _typed(choice.get("text"), str, "choices.0.text")
+    lp = _typed(choice.get("logprobs"), dict, "choices.0.logprobs") or {}
+    if lp.get("tokens") is None:
+        return replace(parsed, text=text)
+    ids = _token_ids(choice)
     try:
         tops = lp.get("top_logprobs") or [None] * len(lp["tokens"])
-        return text, [
+        tokens = [
             TokenLogprob(
                 token=str(tok),
                 logprob=float(val),
-                token_id=int(ids[i]) if isinstance(ids, list) and i < len(ids) else None,
+                token_id=int(ids[i]) if ids is not None and i < len(ids) else None,
                 top=tuple((str(t), float(v)) for t, v in (top or {}).items()),
             )
             for i, (tok, val, top) in enumerate(zip(lp["tokens"], lp["token_logprobs"], tops, strict=True))
         ]
-    except (KeyError, TypeError, ValueError) as e:
-        raise InvalidResponse(f"choices.0.logprobs: malformed ({e!r})") from None
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise InvalidResponse(f"choices.0.logprobs: malformed ({e.__class__.__name__})") from None
+    return replace(parsed, text=text, tokens=tokens)
 
 
 def request_hash(body: dict) -> str:
@@ -172,14 +212,11 @@ class OpenAICompatBackend:
     def snapshot(self) -> dict[str, str]:
         return {"backend.kind": self.kind, "request.model": self.cfg.model}
 
-    def response_stack(self, body: dict, headers: httpx2.Headers) -> dict[str, str]:
+    def response_stack(self, r: Parsed, headers: httpx2.Headers) -> dict[str, str]:
         """Per-response serving facts: they join the backend snapshot in the observation's stack."""
-        fields = {
-            "response.model": str(body.get("model")),
-            "response.system_fingerprint": str(body.get("system_fingerprint")),
-        }
-        if body.get("service_tier") is not None:
-            fields["response.service_tier"] = str(body["service_tier"])
+        fields = {"response.model": str(r.model), "response.system_fingerprint": str(r.system_fingerprint)}
+        if r.service_tier is not None:
+            fields["response.service_tier"] = r.service_tier
         fields.update({f"header.{h}": headers[h] for h in IDENTITY_HEADERS if h in headers})
         return fields
 
@@ -266,22 +303,18 @@ class OpenAICompatBackend:
                 payload = json.loads(raw.text)
             except ValueError as e:
                 raise InvalidResponse(f"body is not JSON ({e})") from None
-            if not isinstance(payload, dict):
-                raise InvalidResponse("body is not a JSON object")
-            text, tokens = parse(payload)
-            obs.text, obs.system_fingerprint = text, payload.get("system_fingerprint")
-            obs.response_model = payload.get("model")
-            obs.finish_reason = _field(payload, "choices", 0).get("finish_reason")
-            usage = payload.get("usage") or {}
-            obs.prompt_tokens, obs.completion_tokens = (
-                usage.get("prompt_tokens"),
-                usage.get("completion_tokens"),
+            r = parse(payload)
+            obs.text, obs.system_fingerprint, obs.response_model = r.text, r.system_fingerprint, r.model
+            obs.finish_reason, obs.prompt_tokens, obs.completion_tokens = (
+                r.finish_reason,
+                r.prompt_tokens,
+                r.completion_tokens,
             )
-            obs.stack = self.response_stack(payload, raw.headers)
-            if tokens is None:
+            obs.stack = self.response_stack(r, raw.headers)
+            if r.tokens is None:
                 obs.error_kind, obs.error = ErrorKind.NO_LOGPROBS, "response carries no logprobs"
             else:
-                obs.tokens = tokens
+                obs.tokens = r.tokens
         except InvalidResponse as e:
             obs.error_kind, obs.error = ErrorKind.INVALID_RESPONSE, str(e)
         except openai.APIError as e:
