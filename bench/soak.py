@@ -1,0 +1,152 @@
+"""Soak: `canaryd run` at a compressed interval against a flapping backend, for --minutes (default 30).
+
+A real vLLM (CPU) server sits behind the tests' fault-injecting proxy, which alternates between healthy and
+failing (503, hangs, cut bodies) every --flap seconds. Every --sample seconds the daemon's resident memory,
+open file descriptors and scheduler counters are read. Printed: RSS slope (least squares over the second
+half, after warm-up), fd growth, passes run vs expected, passes skipped. Not a test: figures only.
+
+    .venv/bin/python bench/soak.py [--minutes 30] [--interval 2] [--flap 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx2
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from canaryd.tinymodel import build_tiny_model  # noqa: E402
+from canaryd.vllm_process import VLLMServer, free_port  # noqa: E402
+from tests.faultproxy import FaultProxy  # noqa: E402
+
+CONFIG = """
+state_dir = "state"
+suites = ["{suite}"]
+[daemon]
+listen = "127.0.0.1:{metrics_port}"
+[[schedules]]
+name = "soak"
+every = "{interval}s"
+[[backends]]
+name = "flappy"
+kind = "vllm"
+base_url = "{url}/v1"
+model = "tiny"
+timeout_s = 3
+retries = 1
+retry_backoff = "100ms"
+breaker_failures = 5
+breaker_cooldown = "10s"
+"""
+
+
+def proc_stat(pid: int) -> tuple[float, int]:
+    status = Path(f"/proc/{pid}/status").read_text()
+    rss_kib = int(re.search(r"VmRSS:\s+(\d+)", status).group(1))
+    return rss_kib / 1024, len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def counter(text: str, name: str) -> float:
+    m = re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def slope_per_hour(points: list[tuple[float, float]]) -> float:
+    n = len(points)
+    if n < 2:
+        return float("nan")
+    mx, my = sum(t for t, _ in points) / n, sum(v for _, v in points) / n
+    var = sum((t - mx) ** 2 for t, _ in points)
+    return sum((t - mx) * (v - my) for t, v in points) / var * 3600 if var else float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--minutes", type=float, default=30)
+    ap.add_argument("--interval", type=int, default=2, help="seconds between passes")
+    ap.add_argument("--flap", type=float, default=20, help="seconds between healthy and failing phases")
+    ap.add_argument("--sample", type=float, default=15, help="seconds between samples")
+    args = ap.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="canaryd-soak-"))
+    model = build_tiny_model(REPO / ".cache" / "test-models" / "random-seed0", seed=0)
+    metrics_port = free_port()
+    with VLLMServer(model, extra_args=["--enforce-eager"], log_path=work / "vllm.log") as server:
+        proxy = FaultProxy(server.root_url, hang_s=5)
+        (work / "canaryd.toml").write_text(
+            CONFIG.format(
+                suite=REPO / "canaries" / "default.toml",
+                metrics_port=metrics_port,
+                interval=args.interval,
+                url=proxy.url,
+            )
+        )
+        stop = threading.Event()
+
+        def flap() -> None:
+            for mode in itertools.cycle(["pass", "503", "pass", "hang", "pass", "truncate"]):
+                proxy.mode = mode
+                if stop.wait(args.flap):
+                    return
+
+        threading.Thread(target=flap, daemon=True).start()
+        daemon = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "canaryd",
+                "-c",
+                str(work / "canaryd.toml"),
+                "--log-level",
+                "warning",
+                "run",
+            ],
+            stderr=(work / "canaryd.log").open("wb"),
+        )
+        samples: list[tuple[float, float, int]] = []
+        t0 = time.monotonic()
+        deadline = t0 + args.minutes * 60
+        url = f"http://127.0.0.1:{metrics_port}/metrics"
+        with httpx2.Client(timeout=10) as client:
+            while time.monotonic() < deadline and daemon.poll() is None:
+                time.sleep(args.sample)
+                rss, fds = proc_stat(daemon.pid)
+                samples.append((time.monotonic() - t0, rss, fds))
+            text = client.get(url).text
+        elapsed = time.monotonic() - t0
+        stop.set()
+        daemon.terminate()
+        code = daemon.wait(120)
+        proxy.stop()
+
+    runs = counter(text, "canaryd_schedule_runs_total")
+    missed = counter(text, "canaryd_schedule_missed_total")
+    half = [(t, r) for t, r, _ in samples if t >= elapsed / 2]
+    print(
+        f"canaryd soak: {elapsed / 60:.1f} min, a pass every {args.interval} s, flapping every {args.flap} s"
+    )
+    print(f"  RSS first / last sample        {samples[0][1]:.1f} / {samples[-1][1]:.1f} MiB")
+    print(f"  RSS slope (second half)        {slope_per_hour(half):+.2f} MiB/hour")
+    print(
+        f"  open fds first / max / last    {samples[0][2]} / {max(f for *_, f in samples)} / {samples[-1][2]}"
+    )
+    print(
+        f"  passes run / expected          {runs:.0f} / {elapsed / args.interval:.0f} (skipped: {missed:.0f})"
+    )
+    print(f"  daemon exit code on SIGTERM    {code}")
+    print(f"  logs: {work / 'canaryd.log'}")
+
+
+if __name__ == "__main__":
+    main()
