@@ -7,15 +7,22 @@ Exit codes (also in ``canaryd --help`` and the README):
 2  bad config, canary file or command-line usage
 3  a backend was unreachable or failing, so it could not be judged
 4  internal or storage error (a bug or a broken database: see the log)
+
+``preflight`` exits 1 or 3 as ``check --pin`` would, without running its command; once the canaries pass,
+it exits with the command's own exit code.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
 from importlib.metadata import version as dist_version
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import structlog
 import typer
@@ -25,10 +32,14 @@ from sqlalchemy.exc import SQLAlchemyError
 from canaryd import log as logsetup
 from canaryd.canaries import load_suites
 from canaryd.compare import Verdict
-from canaryd.config import Config, find_config, load_config
+from canaryd.config import Config, find_config, load_config, parse_duration
 from canaryd.errors import InputError
+from canaryd.pin import Pin, PinReport, check_pin, load_pin, merge_stacks
 from canaryd.probe import Result
 from canaryd.stack import diff
+
+if TYPE_CHECKING:
+    from canaryd.store import Store
 
 EXIT_OK, EXIT_DRIFT, EXIT_USAGE, EXIT_UNAVAILABLE, EXIT_INTERNAL = 0, 1, 2, 3, 4
 
@@ -86,26 +97,87 @@ def gate(results: list[Result]) -> int:
     return EXIT_OK
 
 
-def _probe(ctx: typer.Context, backend: str | None, as_json: bool) -> list[Result]:
-    from canaryd.probe import run_pass
+@contextmanager
+def _store(cfg: Config) -> Iterator[Store]:
+    from canaryd.store import Store
+
+    store = Store(cfg.storage_url)
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _stacks_now(results: list[Result]) -> dict[str, dict[str, str]]:
+    """Each probed backend's stack in this pass ({} when no canary got through)."""
+    names = dict.fromkeys(r.observation.backend for r in results)
+    return {
+        b: merge_stacks(
+            r.observation.stack for r in results if r.observation.backend == b and r.observation.ok
+        )
+        for b in names
+    }
+
+
+def _pinned_config(cfg: Config, pin: Pin, pin_path: Path, backend: str | None) -> Config:
+    """The config narrowed to the pinned backends: a check against a pin probes what the pin names."""
+    names = {b.name for b in cfg.backends}
+    for name in pin.backends:
+        if name not in names:
+            raise InputError(f"{pin_path}: backend {name!r} is not in {cfg.path}")
+    if backend is not None and backend not in pin.backends:
+        raise InputError(f"{pin_path}: backend {backend!r} is not pinned (pinned: {', '.join(pin.backends)})")
+    return cfg.model_copy(update={"backends": tuple(b for b in cfg.backends if b.name in pin.backends)})
+
+
+def _pin_table(report: PinReport):
+    from rich.table import Table
+
+    t = Table(title="pin", title_justify="left")
+    for col in ("backend", "field", "pinned", "now", "status"):
+        t.add_column(col, overflow="fold")
+    for f in report.fields:
+        status = "new (not failing)" if not f.moved else ("gone" if f.now is None else "moved")
+        t.add_row(f.backend, f.field, f.pinned or "(absent)", f.now or "(absent)", status)
+    for b in report.unreachable:
+        t.add_row(b, "-", "-", "-", "unreachable")
+    return t
+
+
+def _show(results: list[Result], pin: PinReport | None, as_json: bool, console: Console) -> int:
+    """Print a pass (and its pin check) as tables or JSON; return the gate's exit code."""
     from canaryd.report import print_tables, result_dict, results_table, stack_changes_table
 
-    results = run_pass(_config(ctx), only=backend)
+    code = gate(results)
+    if code == EXIT_OK and pin is not None and not pin.matches:
+        code = EXIT_DRIFT
     if as_json:
-        print(
-            json.dumps({"exit_code": gate(results), "results": [result_dict(r) for r in results]}, indent=2)
-        )
-    else:
-        print_tables(out, results_table(results), stack_changes_table(results))
-        for r in results:
-            if r.comparison.verdict is Verdict.ERROR:
-                print(
-                    f"canaryd: backend {r.observation.backend!r} canary {r.observation.canary_id!r}: "
-                    f"{r.observation.error}",
-                    file=sys.stderr,
-                )
-                break
-    return results
+        doc = {"exit_code": code, "results": [result_dict(r) for r in results]}
+        if pin is not None:
+            doc["pin"] = pin.as_dict()
+        print(json.dumps(doc, indent=2))
+        return code
+    print_tables(console, results_table(results), stack_changes_table(results))
+    if pin is not None:
+        if pin.fields or pin.unreachable:
+            console.print(_pin_table(pin))
+        verdict = "matches" if pin.matches else f"{len(pin.moved)} field(s) moved"
+        if pin.unreachable:
+            verdict = f"cannot be confirmed ({', '.join(pin.unreachable)} unreachable)"
+        console.print(f"pin {pin.path}: {verdict}", highlight=False, soft_wrap=True)
+    for r in results:
+        if r.comparison.verdict is Verdict.ERROR:
+            print(
+                f"canaryd: backend {r.observation.backend!r} canary {r.observation.canary_id!r}: "
+                f"{r.observation.error}",
+                file=sys.stderr,
+            )
+            break
+    return code
 
 
 @app.command()
@@ -113,9 +185,19 @@ def check(
     ctx: typer.Context,
     backend: Annotated[str | None, typer.Option(help="Only this backend.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")] = False,
+    pin: Annotated[
+        Path | None,
+        typer.Option(help="Also fail (exit 1) when a field pinned in this file moved or is gone."),
+    ] = None,
 ) -> None:
     """Probe, compare with the baselines, and exit 0/1/3 (the gate for CI and benchmark sessions)."""
-    raise typer.Exit(gate(_probe(ctx, backend, as_json)))
+    from canaryd.probe import run_pass
+
+    if pin is None:
+        raise typer.Exit(_show(run_pass(_config(ctx), only=backend), None, as_json, out))
+    pinned = load_pin(pin)
+    results = run_pass(_pinned_config(_config(ctx), pinned, pin, backend), only=backend)
+    raise typer.Exit(_show(results, check_pin(pinned, _stacks_now(results), str(pin)), as_json, out))
 
 
 @app.command()
@@ -125,8 +207,221 @@ def probe(
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")] = False,
 ) -> None:
     """Send every canary through every backend and record the observations (exit 3 if one was down)."""
-    results = _probe(ctx, backend, as_json)
-    raise typer.Exit(EXIT_UNAVAILABLE if gate(results) == EXIT_UNAVAILABLE else EXIT_OK)
+    from canaryd.probe import run_pass
+
+    code = _show(run_pass(_config(ctx), only=backend), None, as_json, out)
+    raise typer.Exit(EXIT_UNAVAILABLE if code == EXIT_UNAVAILABLE else EXIT_OK)
+
+
+@app.command("pin")
+def pin_cmd(
+    ctx: typer.Context,
+    backend: Annotated[str | None, typer.Option(help="Only this backend.")] = None,
+    out_file: Annotated[Path | None, typer.Option("--out", help="Write here (default: stdout).")] = None,
+) -> None:
+    """Probe once and write each backend's stack as it is now: a lock file for `check --pin`/`preflight`."""
+    from canaryd.pin import PinnedBackend, to_json
+    from canaryd.probe import run_pass
+
+    cfg = _config(ctx)
+    results = run_pass(cfg, only=backend)
+    if gate(results) == EXIT_UNAVAILABLE:
+        bad = next(r.observation for r in results if r.comparison.verdict is Verdict.ERROR)
+        print(f"canaryd: pin: backend {bad.backend!r} failed ({bad.error}): nothing pinned", file=sys.stderr)
+        raise typer.Exit(EXIT_UNAVAILABLE)
+    runs = {r.observation.backend: r.run_id for r in results}
+    pinned = Pin(
+        created=_now(),
+        canaryd=dist_version("canaryd"),
+        backends={b: PinnedBackend(cfg.backend(b).kind, s, runs[b]) for b, s in _stacks_now(results).items()},
+    )
+    with _store(cfg) as store:
+        store.keep([r.observation_id for r in results], "pin")
+    drifted = sum(r.comparison.verdict.is_drift for r in results)
+    if drifted:
+        print(f"canaryd: pin: note: {drifted} canaries drifted from their baselines", file=sys.stderr)
+    if out_file is None:
+        sys.stdout.write(to_json(pinned))
+        return
+    out_file.write_text(to_json(pinned), encoding="utf-8")
+    for name, b in pinned.backends.items():
+        print(f"{out_file}: pinned {name} ({b.kind}): {len(b.fields)} fields, run {b.run_id}")
+
+
+@app.command(context_settings={"allow_interspersed_args": False})
+def preflight(
+    ctx: typer.Context,
+    command: Annotated[list[str], typer.Argument(help="The benchmark command (after --).")],
+    pin: Annotated[Path, typer.Option(help="The pin file the stack must still match.")],
+    out_dir: Annotated[Path, typer.Option("--out", help="Where canaryd-record.json and .md go.")] = Path("."),
+    backend: Annotated[str | None, typer.Option(help="Only this pinned backend.")] = None,
+    post_check: Annotated[
+        bool, typer.Option(help="Probe again after the command, so the record says whether it held.")
+    ] = True,
+) -> None:
+    """Run the canaries; if nothing moved, run COMMAND and write the reproducibility record beside it.
+
+    Refuses to start COMMAND (exit 1) on any drift verdict or moved pin field, exit 3 if a backend is
+    unreachable; otherwise exits with COMMAND's exit code. Tables go to stderr: stdout is COMMAND's.
+    """
+    from canaryd.probe import run_pass
+    from canaryd.record import build_record, summarize, to_markdown
+
+    pinned = load_pin(pin)
+    cfg = _pinned_config(_config(ctx), pinned, pin, backend)
+    err = Console(stderr=True, soft_wrap=False, width=160)
+    results = run_pass(cfg, only=backend)
+    code = _show(results, check_pin(pinned, _stacks_now(results), str(pin)), False, err)
+    if code != EXIT_OK:
+        why = (
+            "a backend was unreachable or failing"
+            if code == EXIT_UNAVAILABLE
+            else "the stack or the canaries moved"
+        )
+        print(f"canaryd: preflight: {why} (see above): not starting {command[0]!r}", file=sys.stderr)
+        raise typer.Exit(code)
+    with _store(cfg) as store:
+        store.keep([r.observation_id for r in results], "preflight")
+    started = _now()
+    try:
+        returncode = subprocess.run(command, check=False).returncode
+    except OSError as e:
+        print(f"canaryd: preflight: cannot start {command[0]!r}: {e.strerror or e}", file=sys.stderr)
+        raise typer.Exit(127) from None
+    finished = _now()
+    after = run_pass(cfg, only=backend) if post_check else []
+    with _store(cfg) as store:
+        store.keep([r.observation_id for r in after], "preflight")
+        version = dist_version("canaryd")
+        rec = build_record(
+            store, sorted({r.run_id for r in results}), pin=pinned, pin_path=str(pin), version=version
+        )
+        rec["command"] = {
+            "argv": command,
+            "cwd": str(Path.cwd()),
+            "started": started,
+            "finished": finished,
+            "exit_code": returncode,
+        }
+        if after:
+            post = build_record(store, sorted({r.run_id for r in after}), pin=pinned, pin_path=str(pin))
+            rec["post_run"] = summarize(post)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "canaryd-record.json").write_text(json.dumps(rec, indent=2, ensure_ascii=False) + "\n")
+    (out_dir / "canaryd-record.md").write_text(to_markdown(rec), encoding="utf-8")
+    if after and not rec["post_run"]["held"]:
+        print(
+            "canaryd: preflight: warning: the stack or canaries moved while the command ran", file=sys.stderr
+        )
+    print(f"canaryd: preflight: record in {out_dir / 'canaryd-record.md'} (and .json)", file=sys.stderr)
+    raise typer.Exit(returncode if returncode >= 0 else 128 - returncode)
+
+
+@app.command()
+def explain(
+    ctx: typer.Context,
+    backend: Annotated[str, typer.Argument(help="The backend.")],
+    canary: Annotated[
+        str | None, typer.Argument(help="One canary (default: every canary that flipped).")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """The last flip: last good and first bad observation side by side, what moved, what to revert."""
+    from canaryd.record import explain as explain_flips
+    from canaryd.record import explain_text
+
+    with _store(_config(ctx)) as store:
+        doc = explain_flips(store, backend, canary)
+    if as_json:
+        print(json.dumps(doc, indent=2, ensure_ascii=False))
+    else:
+        sys.stdout.write(explain_text(doc))
+
+
+def _since(value: str) -> datetime:
+    """An ISO 8601 time (naive means UTC) or a duration back from now (2h, 30m, 7d)."""
+    try:
+        return datetime.now(UTC) - timedelta(seconds=parse_duration(value))
+    except ValueError:
+        pass
+    try:
+        t = datetime.fromisoformat(value)
+    except ValueError:
+        raise InputError(f"--since: {value!r} is neither an ISO 8601 time nor a duration (e.g. 2h)") from None
+    return (t if t.tzinfo else t.replace(tzinfo=UTC)).astimezone(UTC)
+
+
+def _write(text: str, path: Path | None) -> None:
+    if path is None:
+        sys.stdout.write(text)
+    else:
+        path.write_text(text, encoding="utf-8")
+
+
+@app.command("record")
+def record_cmd(
+    ctx: typer.Context,
+    run: Annotated[list[int] | None, typer.Option("--run", help="A run id (repeatable).")] = None,
+    since: Annotated[str | None, typer.Option(help="Every run since: ISO 8601 time or duration.")] = None,
+    pin: Annotated[Path | None, typer.Option(help="Say whether the session matched this pin.")] = None,
+    fmt: Annotated[str, typer.Option("--format", help="md or json.")] = "md",
+    out_file: Annotated[Path | None, typer.Option("--out", help="Write here (default: stdout).")] = None,
+) -> None:
+    """The reproducibility record of a session, from the store: stack, pin, canaries, changes, pointers."""
+    from canaryd.record import build_record, to_markdown
+
+    if (not run) == (since is None):
+        raise InputError("record: give either --run ID (repeatable) or --since TIME")
+    if fmt not in ("md", "json"):
+        raise InputError(f"--format: {fmt!r} is not md or json")
+    pinned = load_pin(pin) if pin is not None else None
+    with _store(_config(ctx)) as store:
+        run_ids = run or store.run_ids(_since(since))  # type: ignore[arg-type]
+        if not run_ids:
+            raise InputError(f"record: no runs since {since}")
+        rec = build_record(
+            store, run_ids, pin=pinned, pin_path=str(pin or ""), version=dist_version("canaryd")
+        )
+        store.keep(rec["storage"]["observation_ids"], "record")
+    _write(
+        json.dumps(rec, indent=2, ensure_ascii=False) + "\n" if fmt == "json" else to_markdown(rec), out_file
+    )
+
+
+@app.command()
+def prune(
+    ctx: typer.Context,
+    older_than: Annotated[str, typer.Option(help="Age, e.g. 30d or 12h.")],
+    dry_run: Annotated[bool, typer.Option(help="Count what would go; delete nothing.")] = False,
+) -> None:
+    """Delete observations older than the given age (never baselines, pinned or recorded ones)."""
+    try:
+        cutoff = datetime.now(UTC) - timedelta(seconds=parse_duration(older_than))
+    except ValueError as e:
+        raise InputError(f"--older-than: {e}") from None
+    with _store(_config(ctx)) as store:
+        counts = store.prune(cutoff, dry_run=dry_run)
+    rest = ", ".join(f"{n} {table}" for table, n in counts.items() if table != "observation")
+    verb = "would delete" if dry_run else "deleted"
+    print(
+        f"{verb} {counts['observation']} observations started before {cutoff:%Y-%m-%dT%H:%M:%SZ}; then {rest}"
+    )
+
+
+@app.command()
+def export(
+    ctx: typer.Context,
+    run: Annotated[list[int], typer.Option("--run", help="A run id (repeatable).")],
+    out_file: Annotated[Path | None, typer.Option("--out", help="Write here (default: stdout).")] = None,
+) -> None:
+    """A run's raw observations as JSON lines: every field, tokens, logprobs, top-k and the stack."""
+    from canaryd.record import export_line
+
+    with _store(_config(ctx)) as store:
+        pairs = store.load(store.ids_of_runs(run))
+    if not pairs:
+        raise InputError(f"export: no observations in run(s) {', '.join(map(str, run))}")
+    _write("".join(json.dumps(export_line(r, o), ensure_ascii=False) + "\n" for r, o in pairs), out_file)
 
 
 @app.command()

@@ -38,6 +38,10 @@ class Backend(Protocol):
 
 
 def make_backend(cfg: BackendConfig) -> Backend:
+    if cfg.kind == "vllm-offline":  # imports vLLM only when the engine starts, not here
+        from canaryd.backends.vllm_offline import VLLMOfflineBackend
+
+        return VLLMOfflineBackend(cfg)
     from canaryd.backends.openai_compat import OpenAICompatBackend
     from canaryd.backends.vllm_server import VLLMServerBackend
 

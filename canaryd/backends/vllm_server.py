@@ -5,12 +5,24 @@ and names no GPU, so an unchanged fingerprint is not an unchanged stack. The sna
 reads ``/version``, ``/v1/models``, every ``*_info`` series on ``/metrics`` (their labels carry the
 cache config: kv-cache dtype, block size, number of blocks — a proxy for memory and hardware) and the
 token ids ``/tokenize`` gives a fixed chat, which moves when the tokenizer or chat template does.
+
+What no endpoint shows (GPU, driver, torch build, installed packages, weight file hashes) the optional
+**host probe** adds when canaryd runs on the server's host: ``host_probe = { python = "/opt/vllm/bin/python",
+model_dir = "/models/x" }`` runs ``canaryd/hostfacts.py`` under the serving venv's interpreter (isolated,
+stdlib only) and merges its fields as ``host.*``. ``model_dir`` defaults to ``/v1/models``' ``root``; file
+hashes are cached (by inode, size and change times) under the user's cache directory. It reports the host,
+not the server process: the server's environment variables are not visible to it, so ``env.*`` is left
+out. A failure (missing interpreter, timeout, bad output) becomes one ``host.error`` field, never an
+exception. Off by default.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import re
+import subprocess
+from pathlib import Path
 
 import httpx2
 
@@ -26,6 +38,9 @@ _INFO_LINE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*_info)\{(.*)\}\s+\S+$")
 _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
 # Labels of *_info series that change without the stack changing.
 _VOLATILE_LABELS = {"engine"}
+HOSTFACTS_SCRIPT = Path(__file__).resolve().parents[1] / "hostfacts.py"
+# Generous: the first run hashes the weights (GBs); the hash cache keeps what it finished, even on timeout.
+HOST_PROBE_TIMEOUT_S = 600.0
 
 
 def info_series(metrics_text: str) -> dict[str, str]:
@@ -66,7 +81,44 @@ class VLLMServerBackend(OpenAICompatBackend):
         fields.update(self._section("models", self._models))
         fields.update(self._section("metrics", self._metrics))
         fields.update(self._section("template", self._template))
+        if self.cfg.host_probe is not None:
+            fields.update(self._host_facts(fields.get("models.root")))
         return fields
+
+    def _host_facts(self, model_root: str | None = None) -> dict[str, str]:
+        """``canaryd/hostfacts.py`` under the serving interpreter, prefixed ``host.``; never raises."""
+        from canaryd.hostfacts import default_hash_cache
+
+        probe = self.cfg.host_probe
+        assert probe is not None
+        cmd = [str(probe.python), "-I", str(HOSTFACTS_SCRIPT), "--no-process-facts"]
+        cmd += ["--hash-cache", str(default_hash_cache())]
+        model_dir = probe.model_dir or model_root
+        if model_dir and model_dir != "None":
+            cmd += ["--model-dir", str(model_dir)]
+        try:
+            p = subprocess.run(
+                cmd,
+                capture_output=True,
+                text=True,
+                timeout=HOST_PROBE_TIMEOUT_S,
+                stdin=subprocess.DEVNULL,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            return {"host.error": f"host probe timed out after {HOST_PROBE_TIMEOUT_S:g}s"}
+        except OSError as e:
+            return {"host.error": f"cannot run {probe.python}: {e.strerror or e.__class__.__name__}"}
+        if p.returncode != 0:
+            last = (p.stderr.strip().splitlines() or [""])[-1][:200]
+            return {"host.error": f"host probe exited {p.returncode}: {last}"}
+        try:
+            facts = json.loads(p.stdout)
+        except ValueError:
+            return {"host.error": "host probe output is not JSON"}
+        if not isinstance(facts, dict):
+            return {"host.error": "host probe output is not a JSON object"}
+        return {f"host.{k}": str(v) for k, v in facts.items()}
 
     def _section(self, name: str, read) -> dict[str, str]:
         """One introspection endpoint; an HTTP error is recorded as a field (it is a change too)."""

@@ -1,0 +1,150 @@
+"""Pin files: each backend's serving stack written down, so a later session can prove it held still.
+
+Line 2 of the reproducibility record: nothing in the stack changes between the two numbers you compare.
+``canaryd pin`` probes (a pin describes the stack as it is *now*, and the probe's observations become
+the pin's evidence, kept in the store) and writes JSON with sorted keys and one field per line, so
+``git diff`` of two pins shows exactly which field moved. ``check --pin`` and ``preflight`` compare a
+fresh probe with it: a pinned field that changed or disappeared has *moved* (fails); a field the pin
+does not know is *new* (reported, never fails: a newer canaryd or engine may expose more facts).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from canaryd.errors import InputError
+from canaryd.stack import diff, stack_hash
+
+FORMAT = "canaryd-pin/1"
+# Fields that describe one request or one instant rather than the stack. Backends keep such values out
+# of the stack already; this is the pin's own guard, since a pinned volatile field would always "move".
+VOLATILE = ("header.date", "header.x-request-id", "header.openai-processing-ms", "header.x-ratelimit-")
+
+
+def pinnable(fields: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in fields.items() if not k.startswith(VOLATILE)}
+
+
+def merge_stacks(stacks: Iterable[dict[str, str]]) -> dict[str, str]:
+    """One stack for many observations of a backend: a field seen with several values keeps them all.
+
+    Values are sorted and comma-joined, as a probe pass reports a fleet that answered from several
+    configurations (several ``system_fingerprint``\\ s): such a stack never matches a single-valued pin.
+    """
+    seen: dict[str, set[str]] = {}
+    for stack in stacks:
+        for k, v in stack.items():
+            seen.setdefault(k, set()).add(v)
+    return {k: ",".join(sorted(v)) for k, v in sorted(seen.items())}
+
+
+@dataclass(frozen=True, slots=True)
+class PinnedBackend:
+    kind: str
+    fields: dict[str, str]
+    run_id: int | None = None  # the probe run whose observations are the pin's evidence
+
+
+@dataclass(frozen=True, slots=True)
+class Pin:
+    created: str
+    canaryd: str
+    backends: dict[str, PinnedBackend]
+
+
+def to_json(pin: Pin) -> str:
+    doc = {
+        "format": FORMAT,
+        "canaryd": pin.canaryd,
+        "created": pin.created,
+        "backends": {
+            name: {
+                "kind": b.kind,
+                "run_id": b.run_id,
+                "stack_hash": stack_hash(b.fields),
+                "fields": pinnable(b.fields),
+            }
+            for name, b in pin.backends.items()
+        },
+    }
+    return json.dumps(doc, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+def load_pin(path: Path) -> Pin:
+    """Read a pin file; anything unusable is an `InputError` naming the file and the field."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InputError(f"{path}: pin file not found (write one with `canaryd pin --out {path}`)") from None
+    except OSError as e:
+        raise InputError(f"{path}: cannot read pin file: {e.strerror or e}") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise InputError(f"{path}: not a pin file: invalid JSON ({e})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise InputError(f"{path}: format: expected {FORMAT!r}")
+    backends = doc.get("backends")
+    if not isinstance(backends, dict) or not backends:
+        raise InputError(f"{path}: backends: at least one backend is required")
+    out = {}
+    for name, b in backends.items():
+        fields = b.get("fields") if isinstance(b, dict) else None
+        if not isinstance(fields, dict) or not all(isinstance(v, str) for v in fields.values()):
+            raise InputError(f"{path}: backends.{name}.fields: must be a table of strings")
+        out[name] = PinnedBackend(str(b.get("kind", "")), fields, b.get("run_id"))
+    return Pin(str(doc.get("created", "")), str(doc.get("canaryd", "")), out)
+
+
+@dataclass(frozen=True, slots=True)
+class PinField:
+    backend: str
+    field: str
+    pinned: str | None  # None: new since the pin
+    now: str | None  # None: gone since the pin
+
+    @property
+    def moved(self) -> bool:
+        """Changed or gone. A new field is reported but does not fail."""
+        return self.pinned is not None
+
+    def as_dict(self) -> dict:
+        return {"backend": self.backend, "field": self.field, "pinned": self.pinned, "now": self.now}
+
+
+@dataclass(frozen=True, slots=True)
+class PinReport:
+    path: str
+    fields: tuple[PinField, ...]
+    unreachable: tuple[str, ...] = ()  # pinned backends with no stack now: cannot be confirmed
+
+    @property
+    def moved(self) -> list[PinField]:
+        return [f for f in self.fields if f.moved]
+
+    @property
+    def matches(self) -> bool:
+        return not self.moved and not self.unreachable
+
+    def as_dict(self) -> dict:
+        return {
+            "file": self.path,
+            "matches": self.matches,
+            "moved": [f.as_dict() for f in self.moved],
+            "new": [f.as_dict() for f in self.fields if not f.moved],
+            "unreachable": list(self.unreachable),
+        }
+
+
+def check_pin(pin: Pin, now: dict[str, dict[str, str]], path: str = "") -> PinReport:
+    """Compare each pinned backend's stack now (``{}``: it was unreachable) with what the pin says."""
+    fields: list[PinField] = []
+    unreachable = []
+    for name in sorted(now.keys() & pin.backends.keys()):
+        if not now[name]:
+            unreachable.append(name)
+            continue
+        for c in diff(pinnable(pin.backends[name].fields), pinnable(now[name])):
+            fields.append(PinField(name, c.field, c.before, c.after))
+    return PinReport(path, tuple(fields), tuple(unreachable))
