@@ -216,8 +216,10 @@ def _sqlite_pragmas(dbapi_conn, _record) -> None:
 
 def make_engine(url: str) -> Engine:
     if url.startswith("sqlite:///"):
-        Path(url.removeprefix("sqlite:///")).expanduser().parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(url, connect_args={"timeout": 30})
+        path = Path(url.removeprefix("sqlite:///").split("?")[0]).expanduser()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Wait up to 30 s for another writer's lock (Python's default is 5 s); `?timeout=N` in the URL wins.
+        engine = create_engine(url, connect_args={} if "timeout=" in url else {"timeout": 30})
         event.listen(engine, "connect", _sqlite_pragmas)
     else:
         engine = create_engine(url, pool_pre_ping=True)
