@@ -69,6 +69,14 @@ class Generation:
             }
         return cls(config, {b.name: make_backend(b) for b in config.backends}, work)
 
+    def work_pairs(self) -> dict[str, set[str]]:
+        """Every backend with the ids of the canaries any schedule sends it."""
+        pairs: dict[str, set[str]] = {}
+        for per_backend in self.work.values():
+            for b, canaries in per_backend.items():
+                pairs.setdefault(b, set()).update(c.id for c in canaries)
+        return pairs
+
     def acquire(self) -> None:
         with self.lock:
             self.active += 1
@@ -93,8 +101,17 @@ class Generation:
 
 
 def trigger_for(s: ScheduleConfig) -> IntervalTrigger | CronTrigger:
-    if s.cron is not None:
-        return CronTrigger.from_crontab(s.cron, timezone=UTC, jitter=int(s.jitter) or None)
+    if s.cron is not None:  # from_crontab() takes no jitter, so spell the five fields out
+        minute, hour, day, month, day_of_week = s.cron.split()
+        return CronTrigger(
+            minute=minute,
+            hour=hour,
+            day=day,
+            month=month,
+            day_of_week=day_of_week,
+            timezone=UTC,
+            jitter=int(s.jitter) or None,
+        )
     return IntervalTrigger(seconds=s.every_s, timezone=UTC, jitter=int(s.jitter) or None)
 
 
@@ -162,11 +179,23 @@ class Daemon:
         host, port = self.config.daemon.host_port
         self.httpd, _ = start_http_server(port, addr=host, registry=self.metrics.registry)
         self._install(self.gen)
+        self._restore_last_probes()
         self.scheduler.start()
         log.info(
             "started", listen=self.config.daemon.listen, schedules=[s.name for s in self.config.schedules]
         )
         sdnotify.notify("READY=1", f"STATUS=probing {len(self.config.backends)} backend(s)")
+
+    def _restore_last_probes(self) -> None:
+        """Seed last-probe times from the history, so a restart's gap shows (and stale alerts span it)."""
+        for backend, canaries in self.gen.work_pairs().items():
+            for canary in canaries:
+                rows = self.store.observations(backend=backend, canary_id=canary, limit=1)
+                if rows:
+                    t = rows[0].started_at
+                    self.metrics.last_probe.labels(backend, canary).set(
+                        (t if t.tzinfo else t.replace(tzinfo=UTC)).timestamp()
+                    )
 
     def reload(self) -> bool:
         """Re-read the config; keep the old one running if the new one is invalid."""

@@ -231,3 +231,17 @@ def test_bad_configs_name_file_and_field(tmp_path, name, text, message):
 def test_missing_config_file_says_how_to_make_one(tmp_path):
     with pytest.raises(InputError, match="canaryd init"):
         load_config(tmp_path / "nope.toml")
+
+
+def test_schedules_build_apscheduler_triggers_with_jitter():
+    from apscheduler.triggers.cron import CronTrigger
+    from apscheduler.triggers.interval import IntervalTrigger
+
+    from canaryd.config import ScheduleConfig
+    from canaryd.daemon import trigger_for
+
+    cron = trigger_for(ScheduleConfig(cron="*/5 * * * *", jitter="10s"))
+    assert isinstance(cron, CronTrigger) and cron.jitter == 10
+    every = trigger_for(ScheduleConfig(every="90s", jitter="5s"))
+    assert isinstance(every, IntervalTrigger) and every.interval.total_seconds() == 90 and every.jitter == 5
+    assert trigger_for(ScheduleConfig()).interval.total_seconds() == 300
