@@ -36,6 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 RULES = REPO / "prometheus" / "canaryd-alerts.yml"
 DRIFT_ALERTS = {"CanarydLogprobDrift", "CanarydAnswerChanged", "CanarydRegression", "CanarydStackChanged"}
 INTERVAL_S = 2
+KEY = "sk-canaryd-daemon-8e3b5d1f"  # required by the server; must never show in /metrics or logs
 
 SUITE = """
 [suite]
@@ -69,6 +70,7 @@ kind = "vllm"
 base_url = "http://127.0.0.1:{vllm_port}/v1"
 model = "tiny"
 timeout_s = 20
+api_key_env = "CANARYD_DAEMON_KEY"
 """
 
 
@@ -97,13 +99,19 @@ class Stack:
             self.model,
             port=self.vllm_port,
             dtype=dtype,
+            api_key=KEY,
             extra_args=["--enforce-eager"],
             log_path=self.root / f"vllm-{dtype}.log",
         ).start()
         return time.time()
 
     def start_canaryd(self) -> None:
-        env = {**os.environ, "NOTIFY_SOCKET": str(self.notify_path), "WATCHDOG_USEC": "2000000"}
+        env = {
+            **os.environ,
+            "NOTIFY_SOCKET": str(self.notify_path),
+            "WATCHDOG_USEC": "2000000",
+            "CANARYD_DAEMON_KEY": KEY,
+        }
         self.canaryd = subprocess.Popen(
             [sys.executable, "-m", "canaryd", "-c", str(self.root / "canaryd.toml"), "run"],
             stdout=(self.root / "canaryd.out").open("wb"),
@@ -160,7 +168,7 @@ def test_daemon_probes_exports_lint_clean_metrics_and_notifies_systemd(stack):
     assert 'canaryd_backend_stack_info{backend="local",engine_version="0.32.0"' in exposition.replace(
         'kind="vllm",', ""
     )
-    assert "canaryd_build_info{" in exposition and "sk-" not in exposition
+    assert "canaryd_build_info{" in exposition and KEY not in exposition
 
     t0 = time.perf_counter()
     with httpx2.Client() as client:
@@ -233,4 +241,5 @@ def test_sigterm_exits_cleanly_with_an_intact_database(stack):
     db = sqlite3.connect(stack.root / "state" / "canaryd.db")
     assert db.execute("pragma integrity_check").fetchone()[0] == "ok"
     assert db.execute("select count(*) from observation where verdict = 'identical'").fetchone()[0] > 0
-    assert "Traceback" not in (stack.root / "canaryd.log").read_text()
+    log = (stack.root / "canaryd.log").read_text()
+    assert "Traceback" not in log and KEY not in log

@@ -206,3 +206,7 @@ def test_history_and_stack_commands_show_what_is_stored(lab):
 def test_the_api_key_is_stored_nowhere(lab):
     blob = b"".join(p.read_bytes() for p in (lab.root / "state").iterdir())
     assert KEY.encode() not in blob
+    runs = [str(r) for (r,) in lab.db().execute("select distinct run_id from observation")]
+    export = lab.cli("export", *[a for r in runs for a in ("--run", r)])
+    assert export.returncode == 0 and len(export.stdout.splitlines()) >= 40
+    assert KEY not in export.stdout and KEY not in export.stderr
