@@ -101,7 +101,7 @@ def gate(results: list[Result]) -> int:
 def _store(cfg: Config) -> Iterator[Store]:
     from canaryd.store import Store
 
-    store = Store(cfg.storage_url)
+    store = Store(cfg.storage_url, instance=cfg.daemon.instance)
     try:
         yield store
     finally:
@@ -519,6 +519,54 @@ def baseline_accept(
         print(f"{b} {c}: baseline is now observation {obs_id}")
     if not accepted:
         raise InputError("baseline accept: no successful observation matches; run `canaryd probe` first")
+
+
+db_app = typer.Typer(help="The history database's schema (Alembic migrations).", no_args_is_help=True)
+app.add_typer(db_app, name="db")
+
+
+@db_app.command("upgrade")
+def db_upgrade(ctx: typer.Context) -> None:
+    """Migrate the database to this canaryd's schema (every command and the daemon also do it at start)."""
+    from canaryd.store import make_engine, migrate
+
+    engine = make_engine(_config(ctx).storage_url)
+    try:
+        before, after = migrate(engine)
+        where = engine.url.render_as_string(hide_password=True)
+    finally:
+        engine.dispose()
+    if before is None:
+        print(f"{where}: created the schema at revision {after} (head)")
+    elif before == after:
+        print(f"{where}: at revision {after} (head): nothing to do")
+    else:
+        print(f"{where}: upgraded from revision {before} to {after} (head)")
+
+
+@db_app.command("current")
+def db_current(
+    ctx: typer.Context,
+    check: Annotated[bool, typer.Option("--check", help="Exit 1 unless the database is at head.")] = False,
+) -> None:
+    """Print the database's schema revision (changes nothing)."""
+    from canaryd.store import SCHEMA_REVISION, current_revision, known_revisions, make_engine
+
+    engine = make_engine(_config(ctx).storage_url)
+    try:
+        rev = current_revision(engine)
+    finally:
+        engine.dispose()
+    if rev == SCHEMA_REVISION:
+        print(f"{rev} (head)")
+    elif rev is None:
+        print(f"none: an empty database (head is {SCHEMA_REVISION}; run `canaryd db upgrade`)")
+    elif rev not in known_revisions():
+        print(f"{rev}: newer than this canaryd (head {SCHEMA_REVISION}): upgrade canaryd")
+    else:
+        print(f"{rev} (head is {SCHEMA_REVISION}; run `canaryd db upgrade`)")
+    if check and rev != SCHEMA_REVISION:
+        raise typer.Exit(EXIT_DRIFT)
 
 
 @app.command()

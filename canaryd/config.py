@@ -186,6 +186,8 @@ class ScheduleConfig(_Strict):
 
 class DaemonConfig(_Strict):
     listen: str = "127.0.0.1:9464"  # metrics; loopback unless you mean it
+    # Recorded with every run, so daemons sharing one database can be told apart (default: hostname).
+    instance: Annotated[str | None, Field(pattern=ID_PATTERN)] = None
     fingerprint_window: Duration = 3600.0  # distinct fingerprints are counted over this window
 
     @field_validator("listen")

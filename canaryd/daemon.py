@@ -122,7 +122,7 @@ class Daemon:
         self.stop_event = threading.Event()
         self.reload_requested = threading.Event()
         self.metrics = Metrics(fingerprint_window_s=config.daemon.fingerprint_window)
-        self.store = Store(config.storage_url)
+        self.store = Store(config.storage_url, instance=config.daemon.instance)
         self.gen = Generation.build(config)
         self.scheduler = BackgroundScheduler(
             timezone=UTC, job_defaults={"coalesce": True, "max_instances": 1}
@@ -190,7 +190,9 @@ class Daemon:
         """Seed last-probe times from the history, so a restart's gap shows (and stale alerts span it)."""
         for backend, canaries in self.gen.work_pairs().items():
             for canary in canaries:
-                rows = self.store.observations(backend=backend, canary_id=canary, limit=1)
+                rows = self.store.observations(
+                    backend=backend, canary_id=canary, instance=self.store.instance, limit=1
+                )
                 if rows:
                     t = rows[0].started_at
                     self.metrics.last_probe.labels(backend, canary).set(

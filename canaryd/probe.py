@@ -128,7 +128,7 @@ def run_pass(config: Config, only: str | None = None) -> list[Result]:
         config.backend(only)  # an unknown name is an InputError
     work = plan(config, load_suites([s.path for s in config.suites]), only=only)
     backends = [make_backend(config.backend(name)) for name in work]
-    store = Store(config.storage_url)
+    store = Store(config.storage_url, instance=config.daemon.instance)
     try:
         return [r for run in probe_all(backends, work, store, config) for r in run.results]
     finally:

@@ -88,13 +88,25 @@ def stack_changes_table(results: Sequence[Result]) -> Table | None:
 
 def history_table(rows: Sequence[ObservationRow]) -> Table:
     t = Table(title="history (newest first)", title_justify="left")
-    for col in ("id", "run", "time (UTC)", "backend", "canary", "verdict", "correct", "answer", "stack"):
+    for col in (
+        "id",
+        "run",
+        "instance",
+        "time (UTC)",
+        "backend",
+        "canary",
+        "verdict",
+        "correct",
+        "answer",
+        "stack",
+    ):
         t.add_column(col, overflow="fold")
     for o in rows:
         answer = o.text if o.error is None else f"[magenta]{o.error_kind}: {o.error}[/]"
         t.add_row(
             str(o.id),
             str(o.run_id),
+            o.instance,
             o.started_at.strftime("%Y-%m-%d %H:%M:%S"),
             o.backend,
             o.canary_id,

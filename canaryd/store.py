@@ -2,6 +2,7 @@
 
 Layout, chosen so that storage grows with change rather than with time:
 
+* ``run``: one pass of one backend by one canaryd ``instance`` (the daemon's name, default the hostname).
 * ``stack``: one row per distinct stack snapshot, keyed by its hash.
 * ``payload``: token-level data (tokens, ids, bytes, logprobs, top-k) as zlib-compressed canonical JSON,
   keyed by content hash. JSON floats round-trip float64 exactly, so nothing is lost; an unchanged answer
@@ -11,35 +12,49 @@ Layout, chosen so that storage grows with change rather than with time:
   verdict, the comparison with its baseline), keyed by content hash: an identical repeat re-uses it.
 * ``event``: one thin row per canary × backend × probe: run, time, latency, per-request headers and its
   outcome. This is all an unchanged probe costs (about 100 bytes; see ``bench/storage_bench.py``).
-* ``observation``: a view joining the three, with the columns one observation always had; reads go here.
+* ``observation``: a view over event ⋈ outcome ⋈ request ⋈ run, with the columns one observation always had
+  (and the probing instance); reads go here.
 * ``baseline``: the observation each canary × backend is compared against.
 * ``keep``: observations a pin, preflight or record refers to; ``prune`` never deletes them.
+
+The schema is built and changed only by the Alembic migrations in ``canaryd/migrations`` (SQLite and
+PostgreSQL alike): every ``Store`` brings its database to the head revision first (``migrate``).
+
+Fleets: several daemons (distinct instance names) may write one PostgreSQL database at once. Content-
+addressed rows are inserted with ON CONFLICT DO NOTHING, so identical content from two writers is one row
+and never an error. Baselines are shared: one per backend × canary for the whole fleet, whichever instance
+observed it (the first to commit a first observation wins; ``baseline accept`` takes the latest of any).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import socket
 import zlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 
-from sqlalchemy import JSON, Column, Index, LargeBinary, delete, event, inspect, or_, text
-from sqlalchemy.engine import Engine
+import structlog
+from sqlalchemy import JSON, Column, Index, LargeBinary, bindparam, delete, event, inspect, or_, text
+from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.exc import SQLAlchemyError
 from sqlmodel import Field, Session, SQLModel, col, create_engine, select
 
 from canaryd.compare import Comparison
+from canaryd.errors import InputError
 from canaryd.observation import ErrorKind, Observation, TokenLogprob
 from canaryd.stack import stack_hash as hash_of
 
 PAYLOAD_FORMAT = 1
+log = structlog.get_logger("canaryd.store")
 
 
 class SchemaMismatch(SQLAlchemyError):
-    """The database was written by an older canaryd; there are no migrations yet (exit 4, one line)."""
+    """The database predates migrations, or a newer canaryd migrated it (exit 4, one line)."""
 
 
 def utcnow() -> datetime:
@@ -55,9 +70,13 @@ def _canonical(doc: object) -> bytes:
 
 
 class RunRow(SQLModel, table=True):
+    """One pass of one backend, by one canaryd instance (several daemons can share a database)."""
+
     __tablename__ = "run"
     id: int | None = Field(default=None, primary_key=True)
     backend: str = Field(index=True)
+    # Which daemon probed (`[daemon] instance`, default the hostname); "" for runs from before 0002.
+    instance: str = Field(default="", sa_column_kwargs={"server_default": ""})
     started_at: datetime
     finished_at: datetime | None = None
     canaries: int = 0
@@ -124,11 +143,16 @@ class EventRow(SQLModel, table=True):
 
 
 class ObservationRow(SQLModel, table=True):
-    """One observation as it reads: a view over event ⋈ outcome ⋈ request (never written directly)."""
+    """One observation as it reads: a view over event ⋈ outcome ⋈ request ⋈ run (never written directly).
+
+    The view's SQL lives in the migrations (``canaryd/migrations/versions``); tests/test_migrations.py
+    checks that its columns are these.
+    """
 
     __tablename__ = "observation"
     id: int | None = Field(default=None, primary_key=True)
     run_id: int
+    instance: str
     backend: str
     canary_id: str
     suite: str
@@ -151,19 +175,6 @@ class ObservationRow(SQLModel, table=True):
     verdict: str
     comparison: dict = Field(sa_column=Column(JSON, nullable=False))
     baseline_id: int | None = None
-
-
-OBSERVATION_VIEW = """
-SELECT e.id AS id, e.run_id AS run_id, o.backend AS backend, o.canary_id AS canary_id, o.suite AS suite,
-       e.started_at AS started_at, e.latency_s AS latency_s, r.body AS request,
-       o.request_hash AS request_hash,
-       o.text AS text, o.finish_reason AS finish_reason, o.prompt_tokens AS prompt_tokens,
-       o.completion_tokens AS completion_tokens, o.system_fingerprint AS system_fingerprint,
-       o.response_model AS response_model, e.headers AS headers, o.stack_hash AS stack_hash,
-       o.payload_hash AS payload_hash, o.error AS error, o.error_kind AS error_kind, o.correct AS correct,
-       o.verdict AS verdict, o.comparison AS comparison, o.baseline_id AS baseline_id
-FROM event e JOIN outcome o ON o.id = e.outcome_id JOIN request r ON r.hash = o.request_ref
-"""
 
 
 class BaselineRow(SQLModel, table=True):
@@ -215,32 +226,225 @@ def _sqlite_pragmas(dbapi_conn, _record) -> None:
 
 
 def make_engine(url: str) -> Engine:
-    if url.startswith("sqlite:///"):
-        path = Path(url.removeprefix("sqlite:///").split("?")[0]).expanduser()
-        path.parent.mkdir(parents=True, exist_ok=True)
+    """An engine for a history database, without touching its schema (``migrate`` does that)."""
+    u = make_url(url)
+    if u.drivername == "postgresql":  # psycopg 3 (the `postgres` extra), not SQLAlchemy's psycopg2 default
+        u = u.set(drivername="postgresql+psycopg")
+    if u.get_backend_name() == "sqlite":
+        if u.database and u.database != ":memory:":
+            Path(u.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
         # Wait up to 30 s for another writer's lock (Python's default is 5 s); `?timeout=N` in the URL wins.
-        engine = create_engine(url, connect_args={} if "timeout=" in url else {"timeout": 30})
+        engine = create_engine(u, connect_args={} if "timeout" in u.query else {"timeout": 30})
         event.listen(engine, "connect", _sqlite_pragmas)
-    else:
-        engine = create_engine(url, pool_pre_ping=True)
-    if "observation" in inspect(engine).get_table_names():
+        return engine
+    if u.get_backend_name() == "postgresql":
+        try:
+            import psycopg  # noqa: F401
+        except ImportError:
+            raise InputError(
+                f"storage url {u.render_as_string()}: PostgreSQL needs psycopg: "
+                "pip install 'canaryd[postgres]'"
+            ) from None
+    return create_engine(u, pool_pre_ping=True)
+
+
+# -- schema migrations (Alembic) ------------------------------------------------------------------------
+# One way to build the schema: `canaryd/migrations/versions`, from the empty database up. Every Store runs
+# them (the daemon before READY=1); `canaryd db upgrade` runs them explicitly.
+
+MIGRATIONS = Path(__file__).with_name("migrations")
+SCHEMA_REVISION = "0002"  # the head revision (tests/test_migrations.py checks it against the scripts)
+TABLES = frozenset(
+    {"run", "stack", "payload", "request", "outcome", "event", "observation", "baseline", "keep"}
+)
+_PG_MIGRATION_LOCK = 0x63616E61727964  # "canaryd": one migrator at a time per PostgreSQL database
+
+
+def include_object(_obj, name, type_, _reflected, _compare_to) -> bool:
+    """Autogenerate filter: ``observation`` is a view, written by hand in the revisions."""
+    return not (type_ == "table" and name == "observation")
+
+
+def _empty_string(sql: str | None) -> bool:
+    while sql and sql.startswith("(") and sql.endswith(")"):
+        sql = sql[1:-1]
+    return sql is not None and sql.split("::")[0] in ("''", "")
+
+
+def compare_server_default(
+    _ctx, _conn_col, _meta_col, conn_default, _meta_default, meta_default
+) -> bool | None:
+    """Alembic's own comparison, except that it takes SQLite's ``''`` for a different default than ``""``."""
+    if _empty_string(conn_default) and _empty_string(meta_default):
+        return False
+    return None
+
+
+# What `alembic revision --autogenerate` and `alembic check` compare (env.py and tests/test_migrations.py).
+AUTOGENERATE_OPTIONS = {
+    "include_object": include_object,
+    "compare_type": True,
+    "compare_server_default": compare_server_default,
+}
+
+
+def alembic_config(connection: Connection | None = None, url: str | None = None):
+    """Alembic's configuration, built in code: no alembic.ini is needed at run time."""
+    from alembic.config import Config as AlembicConfig
+
+    cfg = AlembicConfig()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    cfg.set_main_option("path_separator", "os")
+    if url is not None:
+        cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    cfg.attributes["connection"] = connection
+    return cfg
+
+
+def known_revisions() -> set[str]:
+    """Every revision this canaryd's migrations know."""
+    from alembic.script import ScriptDirectory
+
+    return {s.revision for s in ScriptDirectory.from_config(alembic_config()).walk_revisions()}
+
+
+def _label(engine: Engine) -> str:
+    return engine.url.render_as_string(hide_password=True)
+
+
+def _read_revision(engine: Engine, conn: Connection) -> str | None:
+    """The database's revision; None for an empty one. A pre-migration database is a SchemaMismatch."""
+    inspector = inspect(conn)
+    names = set(inspector.get_table_names()) | set(inspector.get_view_names())
+    rev = None
+    if "alembic_version" in names:
+        rev = conn.exec_driver_sql("SELECT version_num FROM alembic_version").scalar()
+    if rev is None and names & TABLES:
         raise SchemaMismatch(
-            f"{engine.url.render_as_string()}: written by an older canaryd (observation is a table, now a "
-            "view); there are no migrations yet: move the database aside"
+            f"{_label(engine)}: written by an older canaryd, from before schema migrations "
+            "(canaryd tables but no alembic_version): move the database aside"
         )
-    tables = [t for t in SQLModel.metadata.sorted_tables if t.name != "observation"]
-    SQLModel.metadata.create_all(engine, tables=tables)
-    create = "CREATE VIEW IF NOT EXISTS" if engine.dialect.name == "sqlite" else "CREATE OR REPLACE VIEW"
+    return rev
+
+
+def current_revision(engine: Engine) -> str | None:
+    """The schema revision the database is at (None: empty), without changing anything."""
+    if _new_sqlite_file(engine) is not None:
+        return None  # connecting would create the file
+    with engine.connect() as conn:
+        return _read_revision(engine, conn)
+
+
+def migrate(engine: Engine) -> tuple[str | None, str]:
+    """Bring the database to the head revision; (revision before, revision after).
+
+    Cheap when nothing is to do (one query). Otherwise takes a lock first, so that several daemons starting
+    on one database migrate it once: ``pg_advisory_xact_lock`` on PostgreSQL, ``BEGIN IMMEDIATE`` (the
+    write lock) on SQLite; the migration runs inside that one transaction and is re-checked under the lock.
+    A new SQLite file is built beside its path and linked into place whole, so that no reader ever finds
+    the file without its schema.
+    """
+    path = _new_sqlite_file(engine)
+    if path is not None:
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.new")
+        fresh = make_engine(engine.url.set(database=str(tmp)).render_as_string(hide_password=False))
+        try:
+            _migrate(fresh)
+            fresh.dispose()  # the last connection: the WAL is checkpointed into the file and removed
+            try:
+                os.link(tmp, path)  # atomic, and never over a database another process just created
+            except FileExistsError:
+                pass
+            except OSError:  # a file system without hard links
+                if not path.exists():
+                    os.replace(tmp, path)
+        finally:
+            fresh.dispose()
+            for leftover in (tmp, Path(f"{tmp}-wal"), Path(f"{tmp}-shm")):
+                leftover.unlink(missing_ok=True)
+        _, after = _migrate(engine)
+        return None, after
+    return _migrate(engine)
+
+
+def _new_sqlite_file(engine: Engine) -> Path | None:
+    """The path of a SQLite database file that does not exist yet (None otherwise)."""
+    db = engine.url.database
+    if engine.dialect.name != "sqlite" or not db or db == ":memory:" or db.startswith("file:"):
+        return None
+    path = Path(db).expanduser()
+    return None if path.exists() else path
+
+
+def _migrate(engine: Engine) -> tuple[str | None, str]:
+    before = current_revision(engine)
+    if before == SCHEMA_REVISION:
+        return before, before
+    from alembic import command
+
     with engine.begin() as conn:
-        conn.exec_driver_sql(f"{create} observation AS {OBSERVATION_VIEW}")
-    return engine
+        if engine.dialect.name == "postgresql":
+            conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_PG_MIGRATION_LOCK})")
+        elif engine.dialect.name == "sqlite":
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+        before = _read_revision(engine, conn)
+        if before is not None and before not in known_revisions():
+            raise SchemaMismatch(
+                f"{_label(engine)}: schema revision {before} is newer than this canaryd "
+                f"(head {SCHEMA_REVISION}): upgrade canaryd"
+            )
+        if before != SCHEMA_REVISION:
+            command.upgrade(alembic_config(conn), "head")
+    return before, current_revision(engine) or ""
+
+
+def _insert(s: Session, table: type[SQLModel]):
+    """The dialect's INSERT, which has ``on_conflict_do_nothing``/``_do_update`` (SQLite and PostgreSQL)."""
+    if s.get_bind().dialect.name == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert
+    else:
+        from sqlalchemy.dialects.sqlite import insert
+    return insert(table.__table__)  # type: ignore[attr-defined]
+
+
+def _insert_ignore(s: Session, table: type[SQLModel], **values: object) -> bool:
+    """Insert a content-addressed row unless its key is already there; True if this call inserted it.
+
+    ``INSERT ... ON CONFLICT DO NOTHING``: when several processes (a fleet on one PostgreSQL, or the daemon
+    and a CLI on one SQLite file) store the same content at once, one row results and nobody fails. On
+    PostgreSQL a concurrent inserter of the same key waits for the first transaction and then does nothing.
+    Core statements on the session's connection (the ORM adds nothing here but time).
+    """
+    return s.connection().execute(_insert(s, table).values(**values).on_conflict_do_nothing()).rowcount > 0
+
+
+# Look-ups of content-addressed rows by hash, built once (building a statement costs more than running it).
+_BY_HASH = {
+    t.__tablename__: select(t.__table__.c.id if t is OutcomeRow else t.__table__.c.hash).where(  # type: ignore[attr-defined]
+        t.__table__.c.hash == bindparam("key")  # type: ignore[attr-defined]
+    )
+    for t in (StackRow, PayloadRow, RequestRow, OutcomeRow)
+}
 
 
 class Store:
-    """All reads and writes of the history. One instance per process; thread-safe (a session per call)."""
+    """All reads and writes of the history. One instance per process; thread-safe (a session per call).
 
-    def __init__(self, url: str) -> None:
+    Several processes may share one database (a fleet of daemons on PostgreSQL, or the daemon and the CLI on
+    SQLite): content-addressed rows are inserted idempotently, every run records the ``instance`` that
+    probed, and baselines are shared: one baseline per backend × canary for the whole fleet.
+    """
+
+    def __init__(self, url: str, instance: str | None = None) -> None:
+        self.instance = instance or socket.gethostname()
         self.engine = make_engine(url)
+        try:
+            before, after = migrate(self.engine)
+        except BaseException:
+            self.engine.dispose()
+            raise
+        if before != after:
+            log.info("schema_migrated", database=_label(self.engine), before=before, after=after)
 
     @property
     def url(self) -> str:
@@ -258,7 +462,7 @@ class Store:
     # -- writes -------------------------------------------------------------------------------------
     def start_run(self, backend: str) -> int:
         with self._session() as s:
-            run = RunRow(backend=backend, started_at=utcnow())
+            run = RunRow(backend=backend, instance=self.instance, started_at=utcnow())
             s.add(run)
             s.commit()
             return run.id  # type: ignore[return-value]
@@ -277,22 +481,24 @@ class Store:
         """Write the observation in one transaction; what it shares with earlier ones is stored once.
 
         The stack, payload, request and outcome are content-addressed, so an identical repeat adds one
-        ``event`` row (time, latency, headers) and nothing else.
+        ``event`` row (time, latency, headers) and nothing else. Each is looked up first (the common case:
+        it exists, and nothing is sent or locked) and otherwise inserted with ON CONFLICT DO NOTHING, so a
+        concurrent writer of the same content is no error.
         """
         with self._session() as s:
             stack_hash = None
             if obs.stack:
                 stack_hash = hash_of(obs.stack)
-                if s.get(StackRow, stack_hash) is None:
-                    s.add(StackRow(hash=stack_hash, fields=obs.stack, first_seen=obs.started_at))
+                if not self._exists(s, StackRow, stack_hash):
+                    _insert_ignore(s, StackRow, hash=stack_hash, fields=obs.stack, first_seen=obs.started_at)
             payload_hash = None
             if obs.tokens:
                 payload_hash, data = _encode_payload(obs.tokens)
-                if s.get(PayloadRow, payload_hash) is None:
-                    s.add(PayloadRow(hash=payload_hash, data=data))
+                if not self._exists(s, PayloadRow, payload_hash):
+                    _insert_ignore(s, PayloadRow, hash=payload_hash, format=PAYLOAD_FORMAT, data=data)
             request_ref = _digest(_canonical(obs.request))
-            if s.get(RequestRow, request_ref) is None:
-                s.add(RequestRow(hash=request_ref, body=obs.request))
+            if not self._exists(s, RequestRow, request_ref):
+                _insert_ignore(s, RequestRow, hash=request_ref, body=obs.request)
             fields = {
                 "backend": obs.backend,
                 "canary_id": obs.canary_id,
@@ -315,15 +521,15 @@ class Store:
                 "baseline_id": baseline_id,
             }
             outcome_hash = _digest(_canonical(fields))
-            outcome_id = s.exec(select(OutcomeRow.id).where(OutcomeRow.hash == outcome_hash)).first()
+            by_hash = _BY_HASH["outcome"], {"key": outcome_hash}
+            outcome_id = s.connection().execute(*by_hash).scalar()
             if outcome_id is None:
-                outcome = OutcomeRow(hash=outcome_hash, **fields)
-                s.add(outcome)
-                s.flush()
-                outcome_id = outcome.id
+                _insert_ignore(s, OutcomeRow, hash=outcome_hash, **fields)
+                # ours, or a concurrent writer's (committed by now: our insert waited for it)
+                outcome_id = s.connection().execute(*by_hash).scalar_one()
             row = EventRow(
                 run_id=run_id,
-                outcome_id=outcome_id,  # type: ignore[arg-type]
+                outcome_id=outcome_id,
                 started_at=obs.started_at,
                 latency_s=obs.latency_s,
                 headers=obs.headers,
@@ -331,29 +537,73 @@ class Store:
             s.add(row)
             s.flush()
             if comparison.verdict.value == "baseline":
-                self._set_baseline(s, obs.backend, obs.canary_id, row.id, "first observation")  # type: ignore[arg-type]
+                self._first_baseline(s, obs, row.id)  # type: ignore[arg-type]
             s.commit()
             return row.id  # type: ignore[return-value]
 
     @staticmethod
+    def _exists(s: Session, table: type[SQLModel], key: str) -> bool:
+        return s.connection().execute(_BY_HASH[table.__tablename__], {"key": key}).first() is not None
+
+    @staticmethod
+    def _first_baseline(s: Session, obs: Observation, observation_id: int) -> None:
+        """Make this observation the baseline, unless another instance just made one for the same request.
+
+        A ``baseline`` verdict means there was no baseline, or it was for an older request of the canary.
+        Two instances of a fleet can judge so at the same moment: the first to commit wins (the baseline is
+        the *first* observation), the other's observation stays an ordinary one.
+        """
+        key = {"backend": obs.backend, "canary_id": obs.canary_id}
+        if _insert_ignore(
+            s,
+            BaselineRow,
+            **key,
+            observation_id=observation_id,
+            accepted_at=utcnow(),
+            note="first observation",
+        ):
+            return
+        current = s.exec(
+            select(BaselineRow.observation_id)
+            .where(BaselineRow.backend == obs.backend, BaselineRow.canary_id == obs.canary_id)
+            .with_for_update()  # PostgreSQL: serialise replacers (SQLite: this transaction holds the lock)
+        ).one()
+        request_hash = s.exec(
+            select(OutcomeRow.request_hash)
+            .join(EventRow, col(EventRow.outcome_id) == OutcomeRow.id)
+            .where(EventRow.id == current)
+        ).first()
+        if request_hash != obs.request_hash:  # a baseline for an older request: replace it
+            Store._set_baseline(s, obs.backend, obs.canary_id, observation_id, "first observation")
+
+    @staticmethod
     def _set_baseline(s: Session, backend: str, canary_id: str, observation_id: int, note: str) -> None:
-        row = s.get(BaselineRow, (backend, canary_id))
-        if row is None:
-            row = BaselineRow(
-                backend=backend,
-                canary_id=canary_id,
-                observation_id=observation_id,
-                accepted_at=utcnow(),
-                note=note,
+        """Upsert: the baseline of backend × canary is now this observation (the last writer wins)."""
+        stmt = _insert(s, BaselineRow).values(
+            backend=backend,
+            canary_id=canary_id,
+            observation_id=observation_id,
+            accepted_at=utcnow(),
+            note=note,
+        )
+        s.connection().execute(
+            stmt.on_conflict_do_update(
+                index_elements=["backend", "canary_id"],
+                set_={
+                    "observation_id": stmt.excluded.observation_id,
+                    "accepted_at": stmt.excluded.accepted_at,
+                    "note": stmt.excluded.note,
+                },
             )
-        else:
-            row.observation_id, row.accepted_at, row.note = observation_id, utcnow(), note
-        s.add(row)
+        )
 
     def accept_latest(
         self, backend: str | None = None, canary_id: str | None = None
     ) -> list[tuple[str, str, int]]:
-        """Make the latest successful observation of each canary × backend its baseline."""
+        """Make the latest successful observation of each canary × backend its baseline.
+
+        Across the whole database: in a fleet, the latest observation of any instance.
+        """
         accepted = []
         with self._session() as s:
             q = select(ObservationRow).where(ObservationRow.error.is_(None))  # type: ignore[union-attr]
@@ -373,9 +623,8 @@ class Store:
     def keep(self, observation_ids: Sequence[int], reason: str) -> None:
         """Mark observations as referenced from outside the store (a pin, preflight or record)."""
         with self._session() as s:
-            for oid in set(observation_ids):
-                if s.get(KeepRow, (oid, reason)) is None:
-                    s.add(KeepRow(observation_id=oid, reason=reason, at=utcnow()))
+            for oid in sorted(set(observation_ids)):
+                _insert_ignore(s, KeepRow, observation_id=oid, reason=reason, at=utcnow())
             s.commit()
 
     def prune(self, cutoff: datetime, *, dry_run: bool = False) -> dict[str, int]:
@@ -435,14 +684,22 @@ class Store:
             return (row.id, self._to_observation(s, row), row.correct) if row else None  # type: ignore[return-value]
 
     def observations(
-        self, *, backend: str | None = None, canary_id: str | None = None, limit: int = 50
+        self,
+        *,
+        backend: str | None = None,
+        canary_id: str | None = None,
+        instance: str | None = None,
+        limit: int = 50,
     ) -> list[ObservationRow]:
+        """Observations, newest first; ``instance`` narrows them to what one daemon of a fleet probed."""
         with self._session() as s:
             q = select(ObservationRow)
             if backend:
                 q = q.where(ObservationRow.backend == backend)
             if canary_id:
                 q = q.where(ObservationRow.canary_id == canary_id)
+            if instance is not None:
+                q = q.where(ObservationRow.instance == instance)
             return list(s.exec(q.order_by(ObservationRow.id.desc()).limit(limit)))  # type: ignore[union-attr]
 
     def observation(self, obs_id: int) -> Observation | None:

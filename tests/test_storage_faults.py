@@ -140,12 +140,14 @@ def test_sigkill_mid_cycle_leaves_a_whole_database_and_the_restart_shows_the_gap
         d = subprocess.Popen(
             [sys.executable, "-m", "canaryd", "-c", str(cfg), "run"], stderr=subprocess.DEVNULL
         )
-        wait_for(
-            "passes", lambda: db.exists() and count(db) > 0 and httpx2.get(metrics).status_code == 200, 60
-        )
-        time.sleep(2.3)  # land somewhere inside a pass
-        d.send_signal(signal.SIGKILL)
-        d.wait()
+        try:
+            wait_for(
+                "passes", lambda: db.exists() and count(db) > 0 and httpx2.get(metrics).status_code == 200, 60
+            )
+            time.sleep(2.3)  # land somewhere inside a pass
+        finally:
+            d.send_signal(signal.SIGKILL)
+            d.wait()
         intact(db)
     killed_at = time.time()
     n = count(db)

@@ -1,0 +1,1 @@
+"""Alembic migrations of the history database (SQLite and PostgreSQL); run by ``canaryd.store.migrate``."""
