@@ -214,6 +214,28 @@ def test_offline_engine_baseline_identical_then_one_engine_arg_changed(tmp_path,
     assert code == 1 and set(verdicts(report).values()) == {"stack-change"}, report
     assert changed_fields(report) == {"engine.model_config.seed"}
     assert not any(r["fingerprint_changed"] for r in report["results"])
+    why = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "canaryd",
+            "-c",
+            str(lab.root / "canaryd.toml"),
+            "explain",
+            "offline",
+            "chat-add",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert why.returncode == 0, why.stderr
+    flip = json.loads(why.stdout)["flips"][0]
+    assert [c["field"] for c in flip["stack_changes"]] == [
+        "engine.model_config.seed"
+    ]  # one change, named alone
+    assert "engine.model_config.seed" in flip["suggestion"]
 
     # dtype: that field, and the fingerprint that hashes it; the numbers move too
     code, report, _ = lab.check(dtype='"bfloat16"')
