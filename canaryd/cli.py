@@ -34,9 +34,9 @@ from canaryd.canaries import load_suites
 from canaryd.compare import Verdict
 from canaryd.config import Config, find_config, load_config, parse_duration
 from canaryd.errors import InputError
-from canaryd.pin import Pin, PinReport, check_pin, load_pin, merge_stacks
+from canaryd.pin import Pin, PinReport, check_pin, load_pin
 from canaryd.probe import Result
-from canaryd.stack import diff
+from canaryd.stack import diff, merge_stacks
 
 if TYPE_CHECKING:
     from canaryd.store import Store

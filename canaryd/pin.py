@@ -11,7 +11,6 @@ does not know is *new* (reported, never fails: a newer canaryd or engine may exp
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,19 +25,6 @@ VOLATILE = ("header.date", "header.x-request-id", "header.openai-processing-ms",
 
 def pinnable(fields: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in fields.items() if not k.startswith(VOLATILE)}
-
-
-def merge_stacks(stacks: Iterable[dict[str, str]]) -> dict[str, str]:
-    """One stack for many observations of a backend: a field seen with several values keeps them all.
-
-    Values are sorted and comma-joined, as a probe pass reports a fleet that answered from several
-    configurations (several ``system_fingerprint``\\ s): such a stack never matches a single-valued pin.
-    """
-    seen: dict[str, set[str]] = {}
-    for stack in stacks:
-        for k, v in stack.items():
-            seen.setdefault(k, set()).add(v)
-    return {k: ",".join(sorted(v)) for k, v in sorted(seen.items())}
 
 
 @dataclass(frozen=True, slots=True)

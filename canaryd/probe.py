@@ -17,7 +17,7 @@ from canaryd.canaries import Canary, Suite, load_suites
 from canaryd.compare import Comparison, compare
 from canaryd.config import Config
 from canaryd.observation import Observation
-from canaryd.stack import stack_hash
+from canaryd.stack import merge_stacks, stack_hash
 from canaryd.store import Store, utcnow
 
 log = structlog.get_logger("canaryd.probe")
@@ -104,12 +104,11 @@ def probe_backend(backend: Backend, canaries: Sequence[Canary], store: Store, co
         results.append(Result(obs_id, run_id, obs, comparison))
     store.finish_run(run_id, len(canaries))
     # The run's stack: the snapshot plus every response-level value seen (a fleet may show several).
-    seen: dict[str, set[str]] = {}
-    for r in results:
-        for k, v in r.observation.stack.items():
-            if k not in stack:
-                seen.setdefault(k, set()).add(v)
-    run_stack = {**stack, **{k: ",".join(sorted(v)) for k, v in seen.items()}} if failure is None else {}
+    run_stack = (
+        merge_stacks([stack, *(r.observation.stack for r in results if r.observation.ok)])
+        if failure is None
+        else {}
+    )
     return BackendRun(backend.name, backend.kind, run_id, results, run_stack, failure)
 
 

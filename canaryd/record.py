@@ -17,8 +17,8 @@ from itertools import pairwise
 from canaryd.compare import Verdict, token_delta
 from canaryd.errors import InputError
 from canaryd.observation import Observation
-from canaryd.pin import Pin, check_pin, merge_stacks
-from canaryd.stack import FieldChange, diff, stack_hash
+from canaryd.pin import Pin, check_pin
+from canaryd.stack import FieldChange, diff, merge_stacks, stack_hash
 from canaryd.store import ObservationRow, Store
 
 RECORD_FORMAT = "canaryd-record/1"

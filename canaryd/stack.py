@@ -9,22 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
-
-
-def flatten(prefix: str, value: Any) -> dict[str, str]:
-    """Flatten nested JSON-like data into dotted keys with string values (lists are indexed)."""
-    out: dict[str, str] = {}
-    if isinstance(value, dict):
-        for k, v in value.items():
-            out.update(flatten(f"{prefix}.{k}" if prefix else str(k), v))
-    elif isinstance(value, list | tuple):
-        for i, v in enumerate(value):
-            out.update(flatten(f"{prefix}[{i}]", v))
-    else:
-        out[prefix] = "" if value is None else str(value)
-    return out
 
 
 def canonical(fields: dict[str, str]) -> bytes:
@@ -47,3 +33,16 @@ def diff(before: dict[str, str], after: dict[str, str]) -> list[FieldChange]:
     """Fields that were added, removed or changed, sorted by name."""
     keys = sorted(before.keys() | after.keys())
     return [FieldChange(k, before.get(k), after.get(k)) for k in keys if before.get(k) != after.get(k)]
+
+
+def merge_stacks(stacks: Iterable[dict[str, str]]) -> dict[str, str]:
+    """One stack for many observations of a backend: a field seen with several values keeps them all.
+
+    Values are sorted and comma-joined, as a probe pass reports a fleet that answered from several
+    configurations (several ``system_fingerprint``\\ s): such a stack never matches a single-valued pin.
+    """
+    seen: dict[str, set[str]] = {}
+    for stack in stacks:
+        for k, v in stack.items():
+            seen.setdefault(k, set()).add(v)
+    return {k: ",".join(sorted(v)) for k, v in sorted(seen.items())}

@@ -17,9 +17,9 @@ import pytest
 
 from canaryd.compare import compare
 from canaryd.observation import ErrorKind, Observation, TokenLogprob
-from canaryd.pin import Pin, PinnedBackend, check_pin, merge_stacks, to_json
+from canaryd.pin import Pin, PinnedBackend, check_pin, to_json
 from canaryd.record import explain, last_flip, suggest
-from canaryd.stack import FieldChange
+from canaryd.stack import FieldChange, merge_stacks
 from canaryd.store import Store
 
 REPO = Path(__file__).resolve().parents[1]
