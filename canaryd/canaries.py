@@ -15,6 +15,22 @@ A suite is one TOML file::
 
 Every decoding parameter has an explicit value that is always sent, because servers otherwise fill
 defaults from files (``generation_config.json``) that can change under you.
+
+A **chained** canary is a plan of ``steps`` sent in order (see ``chain.py``), each with its own ``messages``
+or ``prompt`` and optionally a ``decoding`` table whose keys override the canary's. ``{{step_id}}`` in a
+step's text (whitespace inside the braces allowed) inserts an earlier step's output; every ``{{...}}`` must
+name an earlier step. ``expect`` judges the final step::
+
+    [[canary]]
+    id = "plan"
+    expect = { choices = ["yes", "no"] }
+    [[canary.steps]]
+    id = "extract"
+    messages = [{ role = "user", content = "List the terms that decide: ..." }]
+    [[canary.steps]]
+    id = "answer"
+    messages = [{ role = "user", content = "Terms: {{ extract }}. Covered? Answer yes or no." }]
+    decoding = { max_tokens = 2 }
 """
 
 from __future__ import annotations
@@ -26,12 +42,21 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from canaryd.errors import InputError, describe_validation_error
 
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$"
 _NUMBER = re.compile(r"[-+]?\d+(?:[.,]\d+)?(?:[eE][-+]?\d+)?")
+STEP_REF = re.compile(r"\{\{\s*(.*?)\s*\}\}")  # {{ step_id }} in a chained canary's step
 
 
 class _Strict(BaseModel):
@@ -50,6 +75,22 @@ class Decoding(_Strict):
     seed: int | None = 0
     top_logprobs: Annotated[int, Field(ge=0, le=20)] = 5
     stop: tuple[str, ...] = ()
+    # A sampled canary: n draws per cycle, compared with the baseline's as distributions (sampled.py).
+    # Not a request field: sample i is sent with seed + i (or no seed), one request each.
+    samples: Annotated[int, Field(ge=1, le=1000)] = 1
+
+    @field_validator("seed", mode="before")
+    @classmethod
+    def _no_seed(cls, seed: object) -> object:
+        """TOML has no null: ``seed = "none"`` sends no seed, so the server draws a fresh one per request."""
+        return None if seed == "none" else seed
+
+    @field_validator("samples")
+    @classmethod
+    def _sampled(cls, samples: int, info: ValidationInfo) -> int:
+        if samples > 1 and info.data.get("temperature", 1.0) == 0:
+            raise ValueError("samples > 1 needs temperature > 0 (greedy decoding draws one answer n times)")
+        return samples
 
 
 class Expect(_Strict):
@@ -99,23 +140,88 @@ class Expect(_Strict):
         return fold(answer) in {fold(w.strip()) for w in wanted or ()}
 
 
+def _check_one_prompt(messages: tuple[Message, ...] | None, prompt: str | None) -> None:
+    if (messages is None) == (prompt is None):
+        raise ValueError("give exactly one of messages (chat) or prompt (raw completion)")
+    if messages is not None and not messages:
+        raise ValueError("messages must not be empty")
+
+
+class Step(_Strict):
+    """One request of a chained canary; ``{{step_id}}`` in its text inserts an earlier step's output."""
+
+    id: Annotated[str, Field(pattern=ID_PATTERN)]
+    messages: tuple[Message, ...] | None = None
+    prompt: str | None = None
+    decoding: Decoding | None = None  # only the keys given override the canary's decoding
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> Self:
+        _check_one_prompt(self.messages, self.prompt)
+        return self
+
+    def references(self) -> list[str]:
+        """The step ids its text refers to, in order of appearance."""
+        texts = [m.content for m in self.messages] if self.messages is not None else [self.prompt or ""]
+        return [ref.group(1) for t in texts for ref in STEP_REF.finditer(t)]
+
+
 class Canary(_Strict):
     id: Annotated[str, Field(pattern=ID_PATTERN)]
     description: str = ""
     messages: tuple[Message, ...] | None = None
     prompt: str | None = None
+    steps: tuple[Step, ...] | None = None  # a chained canary: no top-level messages or prompt
     decoding: Decoding = Decoding()
     expect: Expect | None = None
     tags: tuple[str, ...] = ()
     suite: str = ""
 
+    @field_validator("steps")
+    @classmethod
+    def _plan(cls, steps: tuple[Step, ...] | None) -> tuple[Step, ...] | None:
+        """Unique step ids; every reference names an earlier step (so the plan runs in file order)."""
+        if steps is None:
+            return None
+        if not steps:
+            raise ValueError("steps must not be empty")
+        earlier: list[str] = []
+        for i, step in enumerate(steps):
+            if step.id in earlier:
+                raise ValueError(
+                    f"duplicate step id {step.id!r} (steps[{earlier.index(step.id)}] and steps[{i}])"
+                )
+            for ref in step.references():
+                if ref not in earlier:
+                    what = "a later step" if ref in {s.id for s in steps} else "no step"
+                    raise ValueError(
+                        f"steps[{i}] (id {step.id!r}): {{{{{ref}}}}} names {what} "
+                        f"(earlier steps: {', '.join(earlier) or 'none'})"
+                    )
+            earlier.append(step.id)
+        return steps
+
     @model_validator(mode="after")
     def _one_prompt(self) -> Self:
-        if (self.messages is None) == (self.prompt is None):
-            raise ValueError("give exactly one of messages (chat) or prompt (raw completion)")
-        if self.messages is not None and not self.messages:
-            raise ValueError("messages must not be empty")
+        if self.steps is None:
+            _check_one_prompt(self.messages, self.prompt)
+        elif self.messages is not None or self.prompt is not None:
+            raise ValueError("a chained canary (steps) takes no top-level messages or prompt")
+        elif any(self.step_decoding(s).samples > 1 for s in self.steps):
+            raise ValueError("decoding.samples: a chained canary is not sampled (samples must be 1)")
         return self
+
+    def step_decoding(self, step: Step) -> Decoding:
+        """The canary's decoding with the keys the step sets overriding it."""
+        if step.decoding is None:
+            return self.decoding
+        return self.decoding.model_copy(
+            update={k: getattr(step.decoding, k) for k in step.decoding.model_fields_set}
+        )
+
+    def observed_ids(self) -> tuple[str, ...]:
+        """The canary ids its observations carry: its own, or ``id:step`` per step of a chain."""
+        return (self.id,) if self.steps is None else tuple(f"{self.id}:{s.id}" for s in self.steps)
 
     @property
     def endpoint(self) -> Literal["chat", "completions"]:

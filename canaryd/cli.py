@@ -213,6 +213,95 @@ def probe(
     raise typer.Exit(EXIT_UNAVAILABLE if code == EXIT_UNAVAILABLE else EXIT_OK)
 
 
+@app.command("census")
+def census_cmd(
+    ctx: typer.Context,
+    backend: Annotated[str | None, typer.Option(help="Only this backend (default: every one).")] = None,
+    canary: Annotated[
+        list[str] | None, typer.Option("--canary", help="A canary id (repeatable; default: all).")
+    ] = None,
+    requests: Annotated[int, typer.Option("--requests", "-n", help="Probes per batch size.")] = 20,
+    batch_sizes: Annotated[
+        str, typer.Option(help="Comma-separated batch sizes; 1 means alone, b means with b-1 fillers.")
+    ] = "1,8,32",
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")] = False,
+    output: Annotated[Path | None, typer.Option(help="Also write the JSON report here.")] = None,
+    strict: Annotated[
+        bool, typer.Option(help="Exit 1 when a canary is not deterministic or not batch-invariant.")
+    ] = False,
+) -> None:
+    """Nondeterminism census: N identical probes per canary, alone and in crowded batches (nothing stored)."""
+    import time
+
+    from canaryd.backends import BackendUnavailable, make_backend
+    from canaryd.census import census_table, fillers_for, parse_batch_sizes, run_census
+    from canaryd.probe import plan
+    from canaryd.stack import stack_hash
+
+    sizes = parse_batch_sizes(batch_sizes)
+    if not 1 <= requests <= 100_000:
+        raise InputError(f"--requests: {requests} is not from 1 to 100000")
+    cfg = _config(ctx)
+    if backend is not None:
+        cfg.backend(backend)  # an unknown name is an InputError
+    planned = plan(cfg, load_suites([s.path for s in cfg.suites]), only=backend)
+    # one request per probe: a chained canary's steps depend on each other's outputs, so it is left out
+    work = {b: [c for c in cs if c.steps is None] for b, cs in planned.items()}
+    chained = {c.id for cs in planned.values() for c in cs if c.steps is not None}
+    known = {c.id for cs in work.values() for c in cs}
+    for cid in canary or ():
+        if cid in chained:
+            raise InputError(f"--canary: {cid!r} is a chained canary; the census takes single-request ones")
+        if cid not in known:
+            raise InputError(f"--canary: unknown canary {cid!r} (not in the suites of the chosen backends)")
+    censuses, entries, stacks, unavailable = [], [], {}, {}
+    for name, canaries in work.items():
+        chosen = [c for c in canaries if not canary or c.id in canary]
+        if not chosen:
+            continue
+        # the census puts max(sizes) requests in flight at once, beyond the backend's usual concurrency
+        bcfg = cfg.backend(name)
+        b = make_backend(bcfg.model_copy(update={"concurrency": max(bcfg.concurrency, *sizes)}))
+        try:
+            stacks[name] = stack_hash(b.snapshot())
+            for c in chosen:
+                t0 = time.monotonic()
+                result = run_census(b, c, n=requests, batch_sizes=sizes, fillers=fillers_for(c, canaries))
+                censuses.append(result)
+                entries.append({**result.as_dict(), "wall_s": round(time.monotonic() - t0, 3)})
+        except BackendUnavailable as e:
+            unavailable[name] = str(e)
+            print(f"canaryd: census: backend {name!r} unreachable: {e}", file=sys.stderr)
+        finally:
+            b.close()
+    incomplete = [c for c in censuses if not c.complete]
+    for c in incomplete:
+        print(f"canaryd: census: {c.backend} {c.canary}: every probe of a batch size failed", file=sys.stderr)
+    code = EXIT_OK
+    if unavailable or incomplete:
+        code = EXIT_UNAVAILABLE
+    elif strict and any(False in (c.deterministic, c.batch_invariant) for c in censuses):
+        code = EXIT_DRIFT
+    doc = {
+        "exit_code": code,
+        "requests": requests,
+        "batch_sizes": list(sizes),
+        "stacks": stacks,
+        "unavailable": unavailable,
+        "censuses": entries,
+    }
+    if output is not None:
+        output.write_text(json.dumps(doc, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    if as_json:
+        print(json.dumps(doc, indent=2, ensure_ascii=False))
+    else:
+        if censuses:
+            out.print(census_table(censuses))
+        for c in censuses:
+            out.print(f"{c.backend} {c.canary}: {c.verdict()}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
 @app.command("pin")
 def pin_cmd(
     ctx: typer.Context,
@@ -444,6 +533,53 @@ def validate(ctx: typer.Context) -> None:
     print(f"{cfg.path}: ok: {len(cfg.backends)} backend(s), {len(suites)} suite(s), {n} canaries")
 
 
+@app.command("diff")
+def diff_cmd(
+    ctx: typer.Context,
+    runs: Annotated[
+        list[int],
+        typer.Argument(
+            metavar="RUN_A RUN_B", help="Run ids in pairs, A B [C D ...] (`check --json` shows run_id)."
+        ),
+    ],
+    label: Annotated[
+        list[str] | None, typer.Option("--label", help="A column name per pair, in order (repeatable).")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")] = False,
+) -> None:
+    """Diff runs answer by answer and step by step: changes, flips, scores per suite, fingerprints, stacks.
+
+    Exit 0 when no answer or step changed in any pair, 1 when one did (like diff(1)).
+    """
+    from canaryd.report import print_tables
+    from canaryd.rundiff import Run, changed_lines, diff_runs, diff_table, pairs_of, scores_table, step_output
+
+    if len(runs) % 2:
+        raise InputError(f"diff: run ids come in pairs (A B [C D ...]), got {len(runs)}")
+    if label and len(label) != len(runs) // 2:
+        raise InputError(f"--label: {len(label)} label(s) for {len(runs) // 2} pair(s) of runs")
+    loaded: dict[int, Run] = {}
+    with _store(_config(ctx)) as store:
+        for rid in dict.fromkeys(runs):
+            row = store.run(rid)
+            if row is None:
+                raise InputError(f"diff: no run {rid} in {store.url}")
+            stored = store.load(store.ids_of_runs([rid]))
+            loaded[rid] = Run(rid, row.backend, row.started_at, tuple(step_output(r, o) for r, o in stored))
+    diffs = [
+        diff_runs(loaded[a], loaded[b], label[i] if label else "") for i, (a, b) in enumerate(pairs_of(runs))
+    ]
+    code = EXIT_DRIFT if any(d.changed for d in diffs) else EXIT_OK
+    if as_json:
+        doc = {"exit_code": code, "pairs": [d.as_dict() for d in diffs]}
+        print(json.dumps(doc, indent=2, ensure_ascii=False))
+    else:
+        print_tables(out, diff_table(diffs), scores_table(diffs))
+        for line in changed_lines(diffs):
+            out.print(line, highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
 @app.command()
 def history(
     ctx: typer.Context,
@@ -514,11 +650,77 @@ def baseline_accept(
         cfg.backend(backend)
     store = Store(cfg.storage_url)
     accepted = store.accept_latest(backend, canary)
+    # a noise model measured on the old stack would call the new one "out" forever
+    dropped = store.drop_calibrations([(b, c) for b, c, _ in accepted])
     store.close()
     for b, c, obs_id in accepted:
         print(f"{b} {c}: baseline is now observation {obs_id}")
+    if dropped:
+        print(f"{dropped} calibration(s) dropped with the old baselines: run `canaryd baseline calibrate`")
     if not accepted:
         raise InputError("baseline accept: no successful observation matches; run `canaryd probe` first")
+
+
+@baseline_app.command("calibrate")
+def baseline_calibrate(
+    ctx: typer.Context,
+    backend: Annotated[str | None, typer.Option(help="Only this backend.")] = None,
+    canary: Annotated[
+        list[str] | None, typer.Option("--canary", help="A canary id (repeatable; default: all).")
+    ] = None,
+    k: Annotated[
+        int | None, typer.Option("-k", help="Probes per canary (default: [compare] calibration_k).")
+    ] = None,
+    batch_sizes: Annotated[
+        str | None,
+        typer.Option(help="Load levels, e.g. 1,8 (default: [compare] calibration_batch_sizes)."),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")] = False,
+) -> None:
+    """Learn each canary's honest noise (K probes, alone and in crowded batches); exit 1 if a baseline
+    lies outside it."""
+    from canaryd.backends import BackendUnavailable, make_backend
+    from canaryd.calibrate import calibrate
+    from canaryd.census import parse_batch_sizes
+    from canaryd.probe import plan
+    from canaryd.report import calibration_table
+
+    cfg = _config(ctx)
+    if backend is not None:
+        cfg.backend(backend)
+    sizes = parse_batch_sizes(batch_sizes) if batch_sizes is not None else cfg.compare.calibration_batch_sizes
+    k = cfg.compare.calibration_k if k is None else k
+    if not 2 <= k <= 1000:
+        raise InputError(f"-k: {k} is not from 2 to 1000")
+    work = plan(cfg, load_suites([s.path for s in cfg.suites]), only=backend)
+    known = {c.id for cs in work.values() for c in cs}
+    for cid in canary or ():
+        if cid not in known:
+            raise InputError(f"--canary: unknown canary {cid!r} (not in the suites of the chosen backends)")
+    results, code = [], EXIT_OK
+    with _store(cfg) as store:
+        for name, canaries in work.items():
+            chosen = [c for c in canaries if not canary or c.id in canary]
+            bcfg = cfg.backend(name)
+            b = make_backend(bcfg.model_copy(update={"concurrency": max(bcfg.concurrency, *sizes)}))
+            try:
+                b.snapshot()
+                results.extend(calibrate(b, chosen, store, k=k, batch_sizes=sizes))
+            except BackendUnavailable as e:
+                print(f"canaryd: baseline calibrate: backend {name!r} unreachable: {e}", file=sys.stderr)
+                code = EXIT_UNAVAILABLE
+            finally:
+                b.close()
+    if code == EXIT_OK and any(r.problem for r in results):
+        code = EXIT_DRIFT
+    if as_json:
+        print(json.dumps({"exit_code": code, "calibrations": [r.as_dict() for r in results]}, indent=2))
+    else:
+        out.print(calibration_table(results))
+        for r in results:
+            if r.problem:
+                print(f"canaryd: backend {r.backend!r} canary {r.canary_id!r}: {r.problem}", file=sys.stderr)
+    raise typer.Exit(code)
 
 
 db_app = typer.Typer(help="The history database's schema (Alembic migrations).", no_args_is_help=True)

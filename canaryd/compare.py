@@ -8,6 +8,8 @@ Verdicts, most severe first (an observation gets the first that applies):
 ``logprob-drift``  same tokens, but a logprob (chosen or top-k alternative) moved beyond tolerance,
                    or the top-k set itself changed.
 ``stack-change``   same tokens and logprobs, but the serving stack or prompt token count changed.
+``within-noise``   something moved, but no more than the calibrated noise of this canary × backend allows
+                   (only once ``baseline calibrate`` has measured that noise; see ``stats.py``).
 ``identical``      nothing measurable moved.
 ``baseline``       no baseline existed for this canary × backend (or its request changed): this
                    observation becomes it.
@@ -16,10 +18,14 @@ Verdicts, most severe first (an observation gets the first that applies):
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 
 from canaryd.observation import Observation, TokenLogprob
 from canaryd.stack import FieldChange, diff
+from canaryd.stats import DetectorState, Evidence, NoiseModel, cusum, cycle_evalue, score
+
+__all__ = ["Comparison", "Evidence", "TokenDelta", "Verdict", "compare", "decide", "token_delta"]
 
 
 class Verdict(enum.StrEnum):
@@ -28,6 +34,7 @@ class Verdict(enum.StrEnum):
     ANSWER_DRIFT = "answer-drift"
     LOGPROB_DRIFT = "logprob-drift"
     STACK_CHANGE = "stack-change"
+    NOISE = "within-noise"
     IDENTICAL = "identical"
     BASELINE = "baseline"
 
@@ -59,6 +66,8 @@ class Comparison:
     fingerprint_changed: bool = False
     stack_changes: tuple[FieldChange, ...] = ()
     reasons: tuple[str, ...] = field(default=())
+    evidence: Evidence | None = None
+    first_diverged_step: str | None = None  # a chain's final step: the first step whose output moved
 
     def as_dict(self) -> dict:
         return {
@@ -82,6 +91,8 @@ class Comparison:
                 {"field": c.field, "before": c.before, "after": c.after} for c in self.stack_changes
             ],
             "reasons": list(self.reasons),
+            "evidence": None if self.evidence is None else self.evidence.as_dict(),
+            "first_diverged_step": self.first_diverged_step,
         }
 
 
@@ -122,11 +133,14 @@ def compare(
     correct: bool | None,
     baseline_correct: bool | None = None,
     logprob_tolerance: float = 0.0,
+    noise: NoiseModel | None = None,
 ) -> Comparison:
     """Classify ``current`` against ``baseline`` (see the module docstring for the verdict order).
 
     ``correct``/``baseline_correct`` come from the canary's expected answer (None when it has none), so
-    this function needs no canary and stays trivially testable.
+    this function needs no canary and stays trivially testable. With a calibrated ``noise`` model of this
+    request, whether something moved *beyond noise* is decided by `stats.score` (its evidence rides on the
+    comparison) instead of by ``logprob_tolerance``.
     """
     if not current.ok:
         return Comparison(Verdict.ERROR, None, reasons=(f"{current.error_kind}: {current.error}",))
@@ -156,27 +170,48 @@ def compare(
 
     tokens_same = delta.first_divergence is None and text_identical
     moved = max(delta.max_abs_dlogprob or 0.0, delta.max_abs_dtop or 0.0)
-    # A top-k membership swap is itself a logprob move; with a tolerance set it may be boundary noise.
-    topk_changed = logprob_tolerance == 0 and delta.topk_overlap is not None and delta.topk_overlap < 1.0
+    topk_changed = delta.topk_overlap is not None and delta.topk_overlap < 1.0
+    evidence = None
+    if noise is not None and noise.request_hash == current.request_hash:
+        evidence = score(noise, current)
+        beyond_noise = evidence.out
+    else:
+        if noise is not None:
+            reasons.append("calibration is for an older request of this canary: run `baseline calibrate`")
+        # A top-k membership swap is itself a logprob move; with a tolerance set it may be boundary noise.
+        topk_changed = topk_changed and logprob_tolerance == 0
+        beyond_noise = (
+            not tokens_same
+            or moved > logprob_tolerance
+            or topk_changed
+            or (bool(baseline_correct) and correct is False)
+        )
 
-    if baseline_correct and correct is False:
+    if not beyond_noise:
+        if evidence is not None and (not tokens_same or moved > 0 or topk_changed):
+            verdict = Verdict.NOISE
+            reasons.insert(0, _evidence_reason(evidence, "within the calibrated noise"))
+        elif stack_changes or prompt_changed:
+            verdict = Verdict.STACK_CHANGE
+        else:
+            verdict = Verdict.IDENTICAL
+    elif baseline_correct and correct is False:
         verdict = Verdict.REGRESSION
         reasons.insert(0, "was correct, now wrong")
     elif not tokens_same:
         verdict = Verdict.ANSWER_DRIFT
         where = delta.first_divergence if delta.first_divergence is not None else delta.common_prefix
         reasons.insert(0, f"tokens differ from index {where}")
-    elif moved > logprob_tolerance or topk_changed:
+    elif evidence is not None:
+        verdict = Verdict.LOGPROB_DRIFT
+        reasons.insert(0, _evidence_reason(evidence, "beyond the calibrated noise"))
+    else:
         verdict = Verdict.LOGPROB_DRIFT
         reasons.insert(
             0,
             f"max |Δ logprob| {moved:.3g} > tolerance {logprob_tolerance:g}"
             + (", top-k set changed" if topk_changed else ""),
         )
-    elif stack_changes or prompt_changed:
-        verdict = Verdict.STACK_CHANGE
-    else:
-        verdict = Verdict.IDENTICAL
     return Comparison(
         verdict=verdict,
         correct=correct,
@@ -187,4 +222,69 @@ def compare(
         fingerprint_changed=fingerprint_changed,
         stack_changes=stack_changes,
         reasons=tuple(reasons),
+        evidence=evidence,
     )
+
+
+def _evidence_reason(evidence: Evidence | None, what: str) -> str:
+    if evidence is None:
+        return what
+    return (
+        f"{what}: D {evidence.statistic:.3g} vs threshold {evidence.threshold:.3g} "
+        f"({evidence.method}, p {evidence.p_value:.3g}, max |Δ logprob| "
+        f"{evidence.detail.get('max_abs_dlogprob', 0.0):.3g})"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    comparisons: list[Comparison]
+    state: DetectorState
+    cycle_e: float | None  # the cycle's combined e-value (None: no calibrated canary this cycle)
+    out: tuple[str, ...] = field(default=())  # canary ids out this cycle
+
+
+def decide(
+    canary_ids: Sequence[str],
+    comparisons: Sequence[Comparison],
+    state: DetectorState,
+    *,
+    arl: float,
+    min_out: int,
+) -> Decision:
+    """Fold one backend cycle into its detector and settle the verdicts of calibrated canaries.
+
+    ``comparisons[i]`` belongs to ``canary_ids[i]``; several observations of one canary (samples) count
+    once. Only comparisons whose evidence came from a noise model or a two-sample test take part.
+    """
+    evidence: dict[str, Evidence] = {}
+    for cid, c in zip(canary_ids, comparisons, strict=True):
+        if c.evidence is not None and c.evidence.e_value is not None:
+            evidence.setdefault(cid, c.evidence)
+    if not evidence:
+        return Decision(list(comparisons), state, None)
+    e = cycle_evalue([ev.e_value for ev in evidence.values()])  # type: ignore[misc]
+    m = cusum(state.statistic, e)
+    out = tuple(cid for cid, ev in evidence.items() if ev.out)
+    exact_out = any(ev.out and ev.method == "exact" for ev in evidence.values())
+    alarm = state.alarm or exact_out or m >= arl or len(out) >= min_out
+    new_state = DetectorState(m, state.cycles + 1, alarm)
+    settled = []
+    for c in comparisons:
+        ev = c.evidence
+        held = (
+            ev is not None
+            and ev.out
+            and ev.method == "conformal-nn"
+            and c.verdict.is_drift
+            and c.verdict is not Verdict.STACK_CHANGE
+            and not alarm
+        )
+        if held:
+            why = (
+                f"out alone: {len(out)} of {len(evidence)} calibrated canaries out (alarm needs {min_out}), "
+                f"e-CUSUM {m:.3g} < {arl:g}"
+            )
+            c = replace(c, verdict=Verdict.NOISE, reasons=(why, *c.reasons))
+        settled.append(c)
+    return Decision(settled, new_state, e, out)

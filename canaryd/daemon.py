@@ -74,7 +74,7 @@ class Generation:
         pairs: dict[str, set[str]] = {}
         for per_backend in self.work.values():
             for b, canaries in per_backend.items():
-                pairs.setdefault(b, set()).update(c.id for c in canaries)
+                pairs.setdefault(b, set()).update(i for c in canaries for i in c.observed_ids())
         return pairs
 
     def acquire(self) -> None:
@@ -171,7 +171,12 @@ class Daemon:
                 next_run_time=datetime.now(UTC) if s.cron is None else None,
                 replace_existing=True,
             )
-            intervals += [(b, c.id, s.interval_s) for b, cs in gen.work[s.name].items() for c in cs]
+            intervals += [
+                (b, i, s.interval_s)
+                for b, cs in gen.work[s.name].items()
+                for c in cs
+                for i in c.observed_ids()
+            ]
         self.metrics.set_intervals(intervals)
 
     # -- lifecycle ----------------------------------------------------------------------------------

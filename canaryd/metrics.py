@@ -28,6 +28,7 @@ from prometheus_client import (
 from canaryd.compare import Verdict
 from canaryd.observation import ErrorKind
 from canaryd.probe import BackendRun
+from canaryd.stats import DetectorState
 
 PROBE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -125,6 +126,24 @@ class Metrics:
             ("backend",),
             registry=r,
         )
+        self.pvalue = Gauge(
+            "canaryd_canary_noise_pvalue",
+            "p-value of the last probe under the canary's calibrated noise (1: like an honest probe).",
+            bc,
+            registry=r,
+        )
+        self.e_cusum = Gauge(
+            "canaryd_backend_drift_evidence",
+            "e-CUSUM statistic over the calibrated canaries; reaching the configured arl raises the alarm.",
+            ("backend",),
+            registry=r,
+        )
+        self.alarm = Gauge(
+            "canaryd_backend_drift_alarm",
+            "1 once the backend's calibrated evidence says it changed, until recalibrated or accepted.",
+            ("backend",),
+            registry=r,
+        )
         self.reachable = Gauge(
             "canaryd_backend_reachable",
             "1 if the last stack snapshot reached the backend, else 0.",
@@ -170,8 +189,16 @@ class Metrics:
             self.retries,
             self.failures,
             self.verdicts,
+            self.pvalue,
         )
-        self._per_backend = (self.stack_info, self.stack_changes, self.fingerprints, self.reachable)
+        self._per_backend = (
+            self.stack_info,
+            self.stack_changes,
+            self.fingerprints,
+            self.reachable,
+            self.e_cusum,
+            self.alarm,
+        )
         self._seen: set[tuple[str, str]] = set()
         self._stack_labels: dict[str, tuple[str, ...]] = {}
         self._stack_hash: dict[str, str] = {}
@@ -225,8 +252,14 @@ class Metrics:
             elif cmp.verdict is Verdict.BASELINE:
                 self.divergence.labels(b, c).set(-1)
                 self.logprob_delta.labels(b, c).set(0)
+            if cmp.evidence is not None and cmp.evidence.p_value is not None:
+                self.pvalue.labels(b, c).set(cmp.evidence.p_value)
             if obs.system_fingerprint:
                 self._fingerprints.setdefault(b, deque()).append((now, obs.system_fingerprint))
+        if not run.unavailable:  # an unreachable backend keeps its last evidence
+            state = run.detector or DetectorState()
+            self.e_cusum.labels(b).set(state.statistic)
+            self.alarm.labels(b).set(1 if state.alarm else 0)
         self._record_stack(run, now)
 
     def _record_stack(self, run: BackendRun, now: float) -> None:

@@ -14,10 +14,13 @@ import structlog
 
 from canaryd.backends import Backend, BackendUnavailable, make_backend
 from canaryd.canaries import Canary, Suite, load_suites
-from canaryd.compare import Comparison, compare
+from canaryd.chain import mark_divergence, run_chain
+from canaryd.compare import Comparison, compare, decide
 from canaryd.config import Config
 from canaryd.observation import Observation
+from canaryd.sampled import draw_samples, judge_samples
 from canaryd.stack import merge_stacks, stack_hash
+from canaryd.stats import DetectorState
 from canaryd.store import Store, utcnow
 
 log = structlog.get_logger("canaryd.probe")
@@ -41,6 +44,7 @@ class BackendRun:
     results: list[Result]
     stack: dict[str, str]
     unavailable: BackendUnavailable | None = None
+    detector: DetectorState | None = None  # the e-CUSUM after this run; None without calibrated canaries
 
     @property
     def stack_hash(self) -> str:
@@ -57,6 +61,39 @@ def plan(config: Config, suites: Sequence[Suite], only: str | None = None) -> di
     return out
 
 
+def send(backend: Backend, canary: Canary) -> list[Observation]:
+    """The requests one canary makes: one (plain), one per step (chained), n (sampled)."""
+    if canary.steps is not None:
+        return run_chain(backend, canary)
+    if canary.decoding.samples > 1:
+        return draw_samples(backend, canary)
+    return [backend.probe(canary)]
+
+
+def judge(
+    store: Store, config: Config, canary: Canary, observations: list[Observation]
+) -> list[tuple[Observation, Comparison, int | None]]:
+    """Each observation with its comparison and the baseline observation id it was compared with."""
+    if canary.decoding.samples > 1:  # one verdict for the set of n samples (never a chain: validated)
+        return judge_samples(store, canary, observations, alpha=config.compare.alpha)
+    out = []
+    for obs in observations:
+        base = store.baseline(obs.backend, obs.canary_id)
+        final = canary.steps is None or obs is observations[-1]  # a chain's expect judges its last step
+        expect = canary.expect if final else None
+        correct = expect.check(obs.text or "") if expect and obs.ok else None
+        comparison = compare(
+            base[1] if base else None,
+            obs,
+            correct=correct,
+            baseline_correct=base[2] if base else None,
+            logprob_tolerance=config.compare.logprob_tolerance,
+            noise=store.calibration(obs.backend, obs.canary_id),
+        )
+        out.append((obs, comparison, base[0] if base else None))
+    return out if canary.steps is None else mark_divergence(canary, out)
+
+
 def probe_backend(backend: Backend, canaries: Sequence[Canary], store: Store, config: Config) -> BackendRun:
     run_id = store.start_run(backend.name)
     bound = log.bind(backend=backend.name, run_id=run_id)
@@ -67,37 +104,52 @@ def probe_backend(backend: Backend, canaries: Sequence[Canary], store: Store, co
         stack, failure = {}, e
         bound.warning("backend_unavailable", reason=e.kind.value, error=str(e))
 
-    def one(canary: Canary) -> Observation:
+    def one(canary: Canary) -> list[Observation]:
         if failure is not None:  # don't hammer a backend that is down; record why each canary is missing
-            obs = Observation(backend.name, canary.id, canary.suite, utcnow(), {}, "")
-            obs.error_kind, obs.error = failure.kind, str(failure)
-            return obs
-        return backend.probe(canary)
+            missing = [
+                Observation(backend.name, i, canary.suite, utcnow(), {}, "") for i in canary.observed_ids()
+            ]
+            for obs in missing:
+                obs.error_kind, obs.error = failure.kind, str(failure)
+            return missing
+        return send(backend, canary)
 
     with ThreadPoolExecutor(
         max_workers=backend.concurrency, thread_name_prefix=f"probe-{backend.name}"
     ) as ex:
-        observations = list(ex.map(one, canaries))
+        sent = list(ex.map(one, canaries))
 
-    results = []
-    for canary, obs in zip(canaries, observations, strict=True):
-        if obs.ok:
-            obs.stack = {**stack, **obs.stack}
-        base = store.baseline(backend.name, canary.id)
-        correct = canary.expect.check(obs.text or "") if canary.expect and obs.ok else None
-        comparison = compare(
-            base[1] if base else None,
-            obs,
-            correct=correct,
-            baseline_correct=base[2] if base else None,
-            logprob_tolerance=config.compare.logprob_tolerance,
+    judged = []
+    for canary, observations in zip(canaries, sent, strict=True):
+        for obs in observations:
+            if obs.ok:
+                obs.stack = {**stack, **obs.stack}
+        judged.extend(judge(store, config, canary, observations))
+    # The cycle as a whole: combine the calibrated evidence and carry the backend's detector forward.
+    decision = decide(
+        [obs.canary_id for obs, _, _ in judged],
+        [c for _, c, _ in judged],
+        store.detector(backend.name),
+        arl=config.compare.arl,
+        min_out=config.compare.min_out,
+    )
+    if decision.cycle_e is not None:
+        store.save_detector(backend.name, decision.state)
+        bound.info(
+            "detector",
+            cycle_e=round(decision.cycle_e, 4),
+            e_cusum=decision.state.statistic,
+            alarm=decision.state.alarm,
+            out=list(decision.out),
         )
-        obs_id = store.add_observation(run_id, obs, comparison, base[0] if base else None)
+    results = []
+    for (obs, _, baseline_id), comparison in zip(judged, decision.comparisons, strict=True):
+        obs_id = store.add_observation(run_id, obs, comparison, baseline_id)
         bound.info(
             "observation",
-            canary=canary.id,
+            canary=obs.canary_id,
             verdict=comparison.verdict.value,
-            correct=correct,
+            correct=comparison.correct,
             latency_s=round(obs.latency_s, 4),
             error_kind=obs.error_kind.value if obs.error_kind else None,
         )
@@ -109,7 +161,8 @@ def probe_backend(backend: Backend, canaries: Sequence[Canary], store: Store, co
         if failure is None
         else {}
     )
-    return BackendRun(backend.name, backend.kind, run_id, results, run_stack, failure)
+    detector = decision.state if decision.cycle_e is not None else None
+    return BackendRun(backend.name, backend.kind, run_id, results, run_stack, failure, detector)
 
 
 def probe_all(

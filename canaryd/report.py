@@ -7,12 +7,14 @@ from collections.abc import Sequence
 from rich.console import Console
 from rich.table import Table
 
+from canaryd.calibrate import Calibrated
 from canaryd.compare import Verdict
 from canaryd.probe import Result
 from canaryd.store import ObservationRow
 
 _STYLE = {
     Verdict.IDENTICAL: "green",
+    Verdict.NOISE: "green",
     Verdict.BASELINE: "cyan",
     Verdict.STACK_CHANGE: "yellow",
     Verdict.LOGPROB_DRIFT: "yellow",
@@ -122,3 +124,37 @@ def print_tables(console: Console, *tables: Table | None) -> None:
     for t in tables:
         if t is not None:
             console.print(t)
+
+
+def calibration_table(results: Sequence[Calibrated]) -> Table:
+    """One row per calibrated canary × backend: the noise floor in figures."""
+    t = Table(title="canaryd baseline calibrate", title_justify="left")
+    for col in (
+        "backend",
+        "canary",
+        "k",
+        "regime",
+        "signatures",
+        "completions",
+        "|Δlp| p50/p99",
+        "spread med/max",
+        "threshold",
+    ):
+        t.add_column(col, overflow="fold")
+    for r in results:
+        if r.model is None:
+            t.add_row(r.backend, r.canary_id, "-", "failed", "-", "-", "-", "-", r.problem or "")
+            continue
+        s = r.model.summary()
+        t.add_row(
+            r.backend,
+            r.canary_id,
+            str(s["k"]),
+            s["regime"] + (" (not saved)" if r.problem else ""),
+            str(s["signatures"]),
+            str(s["completions"]),
+            f"{_num(s['abs_dlogprob_p50'])} / {_num(s['abs_dlogprob_p99'])}",
+            f"{_num(s['spread_median'])} / {_num(s['spread_max'])}",
+            _num(s["threshold"]),
+        )
+    return t

@@ -16,6 +16,8 @@ Layout, chosen so that storage grows with change rather than with time:
   (and the probing instance); reads go here.
 * ``baseline``: the observation each canary × backend is compared against.
 * ``keep``: observations a pin, preflight or record refers to; ``prune`` never deletes them.
+* ``calibration``: the noise model ``baseline calibrate`` learned per backend × canary (``stats.NoiseModel``).
+* ``detector``: each backend's e-CUSUM statistic and alarm, carried across cycles and restarts.
 
 The schema is built and changed only by the Alembic migrations in ``canaryd/migrations`` (SQLite and
 PostgreSQL alike): every ``Store`` brings its database to the head revision first (``migrate``).
@@ -48,6 +50,7 @@ from canaryd.compare import Comparison
 from canaryd.errors import InputError
 from canaryd.observation import ErrorKind, Observation, TokenLogprob
 from canaryd.stack import stack_hash as hash_of
+from canaryd.stats import DetectorState, NoiseModel
 
 PAYLOAD_FORMAT = 1
 log = structlog.get_logger("canaryd.store")
@@ -195,6 +198,31 @@ class KeepRow(SQLModel, table=True):
     at: datetime
 
 
+class CalibrationRow(SQLModel, table=True):
+    """The calibrated noise model of one canary × backend (replaced by each ``baseline calibrate``)."""
+
+    __tablename__ = "calibration"
+    backend: str = Field(primary_key=True)
+    canary_id: str = Field(primary_key=True)
+    request_hash: str  # the request it was learned for; another request ignores it
+    created_at: datetime
+    k: int
+    regime: str
+    summary: dict = Field(sa_column=Column(JSON, nullable=False))
+    model: dict = Field(sa_column=Column(JSON, nullable=False))
+
+
+class DetectorRow(SQLModel, table=True):
+    """One backend's sequential detector (see ``compare.decide``)."""
+
+    __tablename__ = "detector"
+    backend: str = Field(primary_key=True)
+    statistic: float
+    cycles: int
+    alarm: bool
+    updated_at: datetime
+
+
 def _encode_payload(tokens: list[TokenLogprob]) -> tuple[str, bytes]:
     doc = [
         [
@@ -253,7 +281,7 @@ def make_engine(url: str) -> Engine:
 # them (the daemon before READY=1); `canaryd db upgrade` runs them explicitly.
 
 MIGRATIONS = Path(__file__).with_name("migrations")
-SCHEMA_REVISION = "0002"  # the head revision (tests/test_migrations.py checks it against the scripts)
+SCHEMA_REVISION = "0003"  # the head revision (tests/test_migrations.py checks it against the scripts)
 TABLES = frozenset(
     {"run", "stack", "payload", "request", "outcome", "event", "observation", "baseline", "keep"}
 )
@@ -627,6 +655,51 @@ class Store:
                 _insert_ignore(s, KeepRow, observation_id=oid, reason=reason, at=utcnow())
             s.commit()
 
+    def save_calibration(self, backend: str, canary_id: str, model: NoiseModel) -> None:
+        """Replace the canary's noise model and restart the backend's detector (its evidence was
+        gathered against the old model)."""
+        with self._session() as s:
+            row = s.get(CalibrationRow, (backend, canary_id)) or CalibrationRow(
+                backend=backend, canary_id=canary_id
+            )
+            row.request_hash, row.created_at, row.k = model.request_hash, utcnow(), model.k
+            row.regime, row.summary, row.model = model.regime.value, model.summary(), model.as_dict()
+            s.add(row)
+            self._reset_detector(s, backend)
+            s.commit()
+
+    def drop_calibrations(self, pairs: Sequence[tuple[str, str]]) -> int:
+        """Forget the noise models of these backend × canary pairs (an accepted baseline outdates them)."""
+        with self._session() as s:
+            n = 0
+            for backend, canary_id in pairs:
+                row = s.get(CalibrationRow, (backend, canary_id))
+                if row is not None:
+                    s.delete(row)
+                    n += 1
+            for backend in {b for b, _ in pairs}:
+                self._reset_detector(s, backend)
+            s.commit()
+            return n
+
+    def save_detector(self, backend: str, state: DetectorState) -> None:
+        with self._session() as s:
+            row = s.get(DetectorRow, backend) or DetectorRow(backend=backend)
+            row.statistic, row.cycles, row.alarm, row.updated_at = (
+                state.statistic,
+                state.cycles,
+                state.alarm,
+                utcnow(),
+            )
+            s.add(row)
+            s.commit()
+
+    @staticmethod
+    def _reset_detector(s: Session, backend: str) -> None:
+        row = s.get(DetectorRow, backend)
+        if row is not None:
+            s.delete(row)
+
     def prune(self, cutoff: datetime, *, dry_run: bool = False) -> dict[str, int]:
         """Delete observations started before ``cutoff``, then what only they used; counts per table.
 
@@ -683,6 +756,38 @@ class Store:
             row = s.get(ObservationRow, b.observation_id)
             return (row.id, self._to_observation(s, row), row.correct) if row else None  # type: ignore[return-value]
 
+    def run_set(self, observation_id: int) -> list[Observation]:
+        """Every observation of the same canary in the same run as this one, in id order (= sending order).
+
+        A sampled canary's baseline is a set: the n draws of the run its baseline observation belongs to.
+        """
+        with self._session() as s:
+            row = s.get(ObservationRow, observation_id)
+            if row is None:
+                return []
+            q = select(ObservationRow).where(
+                ObservationRow.run_id == row.run_id, ObservationRow.canary_id == row.canary_id
+            )
+            return [self._to_observation(s, r) for r in s.exec(q.order_by(text("id")))]
+
+    def calibration(self, backend: str, canary_id: str) -> NoiseModel | None:
+        with self._session() as s:
+            row = s.get(CalibrationRow, (backend, canary_id))
+            return NoiseModel.from_dict(row.model) if row else None
+
+    def calibrations(self, backend: str | None = None) -> list[CalibrationRow]:
+        with self._session() as s:
+            q = select(CalibrationRow)
+            if backend:
+                q = q.where(CalibrationRow.backend == backend)
+            return list(s.exec(q.order_by(CalibrationRow.backend, CalibrationRow.canary_id)))
+
+    def detector(self, backend: str) -> DetectorState:
+        """The backend's e-CUSUM state (a fresh one before its first calibrated cycle)."""
+        with self._session() as s:
+            row = s.get(DetectorRow, backend)
+            return DetectorState(row.statistic, row.cycles, row.alarm) if row else DetectorState()
+
     def observations(
         self,
         *,
@@ -712,6 +817,11 @@ class Store:
         with self._session() as s:
             rows = s.exec(select(ObservationRow).where(col(ObservationRow.id).in_(ids)).order_by(text("id")))
             return [(row, self._to_observation(s, row)) for row in rows]
+
+    def run(self, run_id: int) -> RunRow | None:
+        """One run (backend, instance, start and end), None when there is no such run."""
+        with self._session() as s:
+            return s.get(RunRow, run_id)
 
     def run_ids(self, since: datetime) -> list[int]:
         """Runs started at or after ``since``, oldest first."""

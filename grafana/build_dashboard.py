@@ -57,6 +57,7 @@ CANARY = BACKEND + ', canary=~"$canary"'
 # tests/test_dashboard.py checks this list against the enum.
 VERDICTS: tuple[tuple[str, str], ...] = (
     ("identical", "green"),
+    ("within-noise", "light-green"),
     ("baseline", "blue"),
     ("stack-change", "purple"),
     ("logprob-drift", "yellow"),
@@ -97,11 +98,13 @@ def verdict_mappings() -> list[dash_m.ValueMap]:
     ]
 
 
-def bool_mappings(true_text: str, false_text: str, false_color: str = "red") -> list[dash_m.ValueMap]:
+def bool_mappings(
+    true_text: str, false_text: str, false_color: str = "red", true_color: str = "green"
+) -> list[dash_m.ValueMap]:
     return [
         dash_m.ValueMap(
             options={
-                "1": dash_m.ValueMappingResult(text=true_text, color="green", index=0),
+                "1": dash_m.ValueMappingResult(text=true_text, color=true_color, index=0),
                 "0": dash_m.ValueMappingResult(text=false_text, color=false_color, index=1),
             }
         )
@@ -751,10 +754,51 @@ def build_panels(ids: Ids) -> list[tuple[str, list]]:
             [organize(["Time", "Value"], {"python_version": "python"})],
         ),
     ]
+    evidence = [
+        series_panel(
+            ids,
+            "Drift evidence (e-CUSUM)",
+            "The sequential evidence that a backend changed, over its calibrated canaries "
+            "(canaryd_backend_drift_evidence): about 1 or below while honest; the alarm is raised when it "
+            "reaches [compare] arl. Only after `canaryd baseline calibrate`.",
+            "short",
+            10,
+            8,
+            [query("A", f"max by (backend) (canaryd_backend_drift_evidence{{{BACKEND}}})", "{{backend}}")],
+        ),
+        timeline_panel(
+            ids,
+            "Drift alarm",
+            "Whether the calibrated evidence says the backend changed (canaryd_backend_drift_alarm): set by "
+            "min_out canaries beyond their noise in one cycle, an exact-regime change, or the e-CUSUM; "
+            "cleared by recalibrating or accepting a baseline.",
+            6,
+            8,
+            [query("A", f"max by (backend) (canaryd_backend_drift_alarm{{{BACKEND}}})", "{{backend}}")],
+            bool_mappings("alarm", "quiet", false_color="green", true_color="red"),
+        ),
+        series_panel(
+            ids,
+            "Noise p-value per canary",
+            "p-value of each canary's last probe under its calibrated noise (canaryd_canary_noise_pvalue): "
+            "1 = like an honest probe; 1/(k+1) = beyond every calibration probe.",
+            "short",
+            8,
+            8,
+            [
+                query(
+                    "A",
+                    f"min by (backend, canary) (canaryd_canary_noise_pvalue{{{CANARY}}})",
+                    "{{backend}} {{canary}}",
+                )
+            ],
+        ),
+    ]
     return [
         ("Fleet overview", fleet),
         ("Verdicts", verdicts),
         ("Drift", drift_panels),
+        ("Calibrated evidence", evidence),
         ("Probes", probes),
         ("Serving stack", stack),
         ("canaryd", process),

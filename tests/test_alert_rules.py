@@ -32,6 +32,7 @@ SYNTHETIC_METRICS = {"up"}
 TARGET_LABELS = {"job", "instance"}
 # Alerts an end-to-end test waits for: they must fire within a minute of the probe that saw the change.
 FAST_ALERTS = {
+    "CanarydDriftEvidence",
     "CanarydRegression",
     "CanarydAnswerChanged",
     "CanarydLogprobDrift",

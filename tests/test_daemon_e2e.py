@@ -34,7 +34,13 @@ from tests.services import (
 pytestmark = pytest.mark.vllm
 REPO = Path(__file__).resolve().parents[1]
 RULES = REPO / "prometheus" / "canaryd-alerts.yml"
-DRIFT_ALERTS = {"CanarydLogprobDrift", "CanarydAnswerChanged", "CanarydRegression", "CanarydStackChanged"}
+DRIFT_ALERTS = {
+    "CanarydLogprobDrift",
+    "CanarydAnswerChanged",
+    "CanarydRegression",
+    "CanarydStackChanged",
+    "CanarydDriftEvidence",
+}
 INTERVAL_S = 2
 KEY = "sk-canaryd-daemon-8e3b5d1f"  # required by the server; must never show in /metrics or logs
 
@@ -120,6 +126,18 @@ class Stack:
             cwd=self.root,
         )
 
+    def calibrate(self) -> None:
+        """Baselines, then the noise model the evidence metrics and CanarydDriftEvidence need."""
+        for args in (("probe",), ("baseline", "calibrate", "-k", "4", "--batch-sizes", "1,2")):
+            p = subprocess.run(
+                [sys.executable, "-m", "canaryd", "-c", str(self.root / "canaryd.toml"), *args],
+                capture_output=True,
+                text=True,
+                env={**os.environ, "CANARYD_DAEMON_KEY": KEY},
+                timeout=300,
+            )
+            assert p.returncode == 0, p.stdout + p.stderr
+
     def _drain_notify(self) -> None:
         while True:
             self.notes.append(self.notify.recv(4096).decode())
@@ -137,6 +155,7 @@ def stack(tmp_path_factory, tiny_model):
         am, am_port = start_alertmanager(s.root, s.receiver.url)
         s.services.append(am)
         s.serve("float32")
+        s.calibrate()
         s.start_canaryd()
         prom, s.prom_url = start_prometheus(s.root, RULES, f"127.0.0.1:{s.metrics_port}", am_port)
         s.services.append(prom)
@@ -216,6 +235,8 @@ def test_dtype_change_delivers_an_alert(stack):
     )
     assert stack.metric('canaryd_backend_stack_changes_total{backend="local"} >= 1')
     assert stack.metric('canaryd_canary_verdict{verdict=~"logprob-drift|answer-drift"} == 1')
+    assert stack.metric('canaryd_backend_drift_alarm{backend="local"} == 1')
+    assert stack.metric('canaryd_canary_noise_pvalue{backend="local"} == 0.2')  # 1/(k+1), k = 4
 
 
 def test_every_dashboard_panel_query_returns_data(stack):

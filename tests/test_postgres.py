@@ -20,7 +20,7 @@ from sqlalchemy import create_engine
 from canaryd.compare import compare
 from canaryd.observation import ErrorKind, Observation, TokenLogprob
 from canaryd.record import export_line
-from canaryd.store import Store
+from canaryd.store import SCHEMA_REVISION, Store
 from tests.postgres import PostgresServer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -150,7 +150,7 @@ def test_cli_on_postgres_history_export_accept_and_prune(pg, tmp_path):
     prune = canaryd("prune", "--older-than", "30d")  # the 39-day-old one (the 40-day one judged the rest)
     assert prune.returncode == 0 and "deleted 1 observations" in prune.stdout, prune.stdout
     current = canaryd("db", "current")
-    assert current.returncode == 0 and current.stdout == "0002 (head)\n"
+    assert current.returncode == 0 and current.stdout == f"{SCHEMA_REVISION} (head)\n"
     assert not (tmp_path / "state" / "canaryd.db").exists()  # nothing went to SQLite
 
 

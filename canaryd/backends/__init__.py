@@ -34,6 +34,10 @@ class Backend(Protocol):
         """Send one canary; always returns an observation (with ``error`` set on failure)."""
         ...
 
+    def request_hash(self, canary: Canary) -> str:
+        """The hash ``probe`` gives this canary's request (what baselines are keyed by), without sending."""
+        ...
+
     def close(self) -> None: ...
 
 

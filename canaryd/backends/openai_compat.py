@@ -249,6 +249,9 @@ class OpenAICompatBackend:
             body["logprobs"] = d.top_logprobs
         return {**body, **self.extra_params(canary)}
 
+    def request_hash(self, canary: Canary) -> str:
+        return request_hash(self.request_body(canary))
+
     def probe(self, canary: Canary) -> Observation:
         """Send one canary, retrying transient failures; never raises."""
         body = self.request_body(canary)

@@ -317,6 +317,9 @@ class VLLMOfflineBackend:
         }
         return body, request_hash(core)
 
+    def request_hash(self, canary: Canary) -> str:
+        return self.request_body(canary)[1]
+
     def probe(self, canary: Canary) -> Observation:
         body, rhash = self.request_body(canary)
         obs = Observation(

@@ -1,0 +1,96 @@
+"""``canaryd baseline calibrate``: measure each canary's honest noise so comparisons can tell it from change.
+
+Each canary is sent K times through its backend, split over the configured load levels: alone, and inside
+batches crowded with filler requests (``census.collect``), because batched engines choose numerical paths
+by batch shape. `stats.fit` turns the K probes into the canary's noise model, which the store keeps and
+every later comparison uses. A chained canary is run K times in sequence (its steps depend on each
+other's outputs) and each step gets its own model; sampled canaries need none (their comparison is a
+two-sample test). Calibrating restarts the backend's e-CUSUM detector.
+
+A calibration must not launder a change: when the canary's baseline lies outside the noise just measured,
+the stack moved since the baseline, and that model is not saved (accept the new baseline first, or
+investigate).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from canaryd.backends import Backend
+from canaryd.canaries import Canary
+from canaryd.census import collect, fillers_for
+from canaryd.chain import run_chain
+from canaryd.observation import Observation
+from canaryd.stats import CalibrationError, NoiseModel, fit, score
+from canaryd.store import Store
+
+
+@dataclass(frozen=True, slots=True)
+class Calibrated:
+    """The outcome for one canary (or chain step) × backend."""
+
+    backend: str
+    canary_id: str
+    model: NoiseModel | None
+    errors: int
+    problem: str | None = None  # why nothing was saved
+
+    def as_dict(self) -> dict:
+        return {
+            "backend": self.backend,
+            "canary": self.canary_id,
+            "saved": self.problem is None,
+            "problem": self.problem,
+            "errors": self.errors,
+            **(self.model.summary() if self.model else {}),
+        }
+
+
+def probes(
+    backend: Backend, canary: Canary, others: Sequence[Canary], *, k: int, batch_sizes: Sequence[int]
+) -> dict[str, list[Observation]]:
+    """K honest probes per observed id (the canary, or each step of a chain)."""
+    if canary.steps is not None:
+        runs = [run_chain(backend, canary) for _ in range(k)]
+        return {obs.canary_id: [r[i] for r in runs] for i, obs in enumerate(runs[0])}
+    per_size = math.ceil(k / len(batch_sizes))
+    got = collect(backend, canary, n=per_size, batch_sizes=batch_sizes, fillers=fillers_for(canary, others))
+    return {canary.id: [o for obs in got.values() for o in obs]}
+
+
+def calibrate(
+    backend: Backend,
+    canaries: Sequence[Canary],
+    store: Store,
+    *,
+    k: int,
+    batch_sizes: Sequence[int],
+) -> list[Calibrated]:
+    """Calibrate every non-sampled canary of one backend and save the models that pass the checks."""
+    out = []
+    for canary in canaries:
+        if canary.decoding.samples > 1:
+            continue
+        for cid, observed in probes(backend, canary, canaries, k=k, batch_sizes=batch_sizes).items():
+            errors = sum(not o.ok for o in observed)
+            try:
+                model = fit(observed)
+            except CalibrationError as e:
+                out.append(Calibrated(backend.name, cid, None, errors, str(e)))
+                continue
+            problem = None
+            base = store.baseline(backend.name, cid)
+            if base is not None and base[1].request_hash == model.request_hash:
+                ev = score(model, base[1])
+                if ev.out:
+                    problem = (
+                        f"the baseline lies outside the noise just measured (D {ev.statistic:.3g} > "
+                        f"{ev.threshold:.3g}, max |Δ logprob| {ev.detail['max_abs_dlogprob']:.3g}): the "
+                        "stack moved since the baseline; `baseline accept` it first, or investigate"
+                    )
+            if problem is None:
+                store.save_calibration(backend.name, cid, model)
+            out.append(Calibrated(backend.name, cid, model, errors, problem))
+    return out

@@ -1,0 +1,336 @@
+"""Telling noise from change: the calibrated noise model of a canary × backend, and the decision rules.
+
+Pure functions over observations; no I/O. ``canaryd baseline calibrate`` sends each canary K times (alone
+and inside crowded batches) and `fit` turns those K probes into a `NoiseModel`. Every later probe is
+scored against it (`score`) and every probe cycle of a backend is combined (`decide`).
+
+**The per-probe statistic** (mode-aware nearest neighbour, after detection.md §3.3). A probe is a point
+whose coordinates are logprobs: for each generated position, the chosen token's and every top-k
+alternative's, keyed by (position, token). Two probes are compared only where their contexts agree (up to
+and including the first position where their tokens part). Each coordinate is standardised by its
+calibrated spread ``s_j = max(1.4826·MAD_j, range_j/4, S_FLOOR)``, and the distance is the RMS of the
+standardised differences. The statistic ``D`` is the distance to the *nearest* calibration probe.
+
+Why nearest and not the mean: batched GPU serving does not jitter around one value; it jumps between a
+few discrete numerical paths (modes) whose mix follows the load. A mean-based test cries wolf whenever the
+mix moves; "does this probe lie on a mode we have seen?" does not.
+
+**The threshold and its p-value** (split conformal). Each calibration probe's leave-one-out distance to
+its nearest other probe gives the null distribution of ``D``. The conformal p-value is
+``p = (1 + #{LOO ≥ D}) / (K + 1)``, valid whenever the calibration probes and later honest probes are
+exchangeable. A canary is *out* when ``D`` exceeds every leave-one-out distance by the guard band
+(``D > (1 + GUARD)·max LOO``), so ``P(out | no change) ≤ 1/(K+1)``. With a noise floor of exactly zero
+(the K probes were bit-identical: a batch-invariant or deterministic engine) the threshold is 0 and any
+change counts: the EXACT regime.
+
+**Combining canaries and cycles** (`decide`). A per-canary bound of 1/(K+1) is too loose for a pager, so
+outside the EXACT regime one out canary is only a drift verdict when the backend's alarm is on:
+
+* fast path: at least ``min_out`` calibrated canaries are out in the same cycle;
+* slow path: an e-CUSUM detector. Each p-value becomes an e-value ``e = κ·p^(κ−1)`` (κ = 0.5), the cycle's
+  e-value ``E_t`` is their mean (valid under any dependence), and ``M_t = E_t·max(M_{t−1}, 1)``. The alarm
+  is ``M_t ≥ A``; by the e-detector bound (Shin, Ramdas & Rinaldo 2023) the average run length to a false
+  alarm is at least ``A`` cycles. It catches small persistent shifts no single cycle proves.
+
+In the EXACT regime every out canary is a drift verdict at once, and the detector still runs (so the
+alarm series means the same on every backend).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import math
+import statistics
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from canaryd.observation import Observation
+
+S_FLOOR = 1e-6  # nats: below the float32 resolution of a logprob's magnitude, so only real change counts
+GUARD = 0.2  # the margin over the largest honest leave-one-out distance
+KAPPA = 0.5  # p-to-e calibrator: e = κ·p^(κ−1); bounded by 0.5·√(K+1) per canary
+MIN_SUPPORT = 3  # coordinates seen in fewer calibration probes borrow the canary's median spread
+
+Key = tuple[int, str]
+
+
+class Regime(enum.StrEnum):
+    """How the calibration probes spread (detection.md §2.1)."""
+
+    EXACT = "exact"  # one bit-exact signature: any change counts
+    MODAL = "modal"  # a few signatures (at most K/3): discrete numerical paths
+    CONTINUOUS = "continuous"  # nearly every probe different
+
+
+@dataclass(frozen=True, slots=True)
+class Evidence:
+    """The statistical decision behind a verdict: what was measured, the bar it had to clear, and how
+    surprising it is under the calibrated noise (a p-value, and the same as an e-value for combining
+    evidence across canaries and cycles)."""
+
+    method: str  # how the statistic was computed, e.g. "exact", "conformal-nn", "two-sample"
+    statistic: float
+    threshold: float
+    p_value: float | None = None
+    e_value: float | None = None
+    detail: dict = field(default_factory=dict)  # method-specific figures (rates, intervals, counts)
+
+    @property
+    def out(self) -> bool:
+        """True when the statistic clears its threshold: the change is more than noise."""
+        return self.statistic > self.threshold
+
+    def as_dict(self) -> dict:
+        return {
+            "method": self.method,
+            "statistic": self.statistic,
+            "threshold": self.threshold,
+            "p_value": self.p_value,
+            "e_value": self.e_value,
+            "out": self.out,
+            **({"detail": self.detail} if self.detail else {}),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Point:
+    """One probe as the statistics see it: its token identity and its logprob coordinates."""
+
+    ids: tuple[str, ...]
+    coords: Mapping[Key, float]
+
+    @property
+    def completion(self) -> str:
+        return hashlib.sha256("\x1f".join(self.ids).encode()).hexdigest()[:16]
+
+    @property
+    def signature(self) -> str:
+        exact = sorted((p, t, v.hex()) for (p, t), v in self.coords.items())
+        return hashlib.sha256(repr((self.ids, exact)).encode()).hexdigest()[:16]
+
+    def as_list(self) -> list:
+        return [list(self.ids), [[p, t, v] for (p, t), v in sorted(self.coords.items())]]
+
+    @classmethod
+    def from_list(cls, doc: list) -> Point:
+        ids, coords = doc
+        return cls(tuple(ids), {(int(p), str(t)): float(v) for p, t, v in coords})
+
+
+def point(obs: Observation) -> Point:
+    """The observation's point. Token ids identify tokens when the server sent them, else token text."""
+    ids: list[str] = []
+    coords: dict[Key, float] = {}
+    for i, t in enumerate(obs.tokens):
+        ids.append(str(t.token_id) if t.token_id is not None else t.token)
+        for tok, lp in t.top:
+            coords[(i, tok)] = lp
+        coords[(i, t.token)] = t.logprob
+    if not obs.tokens and obs.text is not None:  # a backend without logprobs: identity is the text
+        ids = [obs.text]
+    return Point(tuple(ids), coords)
+
+
+def common_prefix(a: Sequence[str], b: Sequence[str]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def aligned(x: Point, b: Point) -> list[Key]:
+    """Coordinates both probes have under the same context: positions up to where their tokens part."""
+    last = common_prefix(x.ids, b.ids)
+    return [k for k in x.coords if k[0] <= last and k in b.coords]
+
+
+def distance(x: Point, b: Point, spread: Mapping[Key, float], default: float) -> float:
+    """RMS of the standardised logprob differences over the aligned coordinates (0 when none)."""
+    keys = aligned(x, b)
+    if not keys:
+        return 0.0
+    return math.sqrt(
+        sum(((x.coords[k] - b.coords[k]) / spread.get(k, default)) ** 2 for k in keys) / len(keys)
+    )
+
+
+def max_abs_delta(x: Point, b: Point) -> float:
+    """The effect size in nats: the largest aligned |Δ logprob|."""
+    return max((abs(x.coords[k] - b.coords[k]) for k in aligned(x, b)), default=0.0)
+
+
+def robust_spread(values: Sequence[float]) -> float:
+    """max(1.4826·MAD, range/4, S_FLOOR): the MAD for a bulk, the range for a few discrete modes."""
+    med = statistics.median(values)
+    mad = statistics.median(abs(v - med) for v in values)
+    return max(1.4826 * mad, (max(values) - min(values)) / 4, S_FLOOR)
+
+
+@dataclass(frozen=True, slots=True)
+class NoiseModel:
+    """What K honest probes of one canary × backend look like; `score` judges a new probe against it."""
+
+    request_hash: str
+    refs: tuple[Point, ...]
+    spread: Mapping[Key, float]
+    default_spread: float
+    loo: tuple[float, ...]  # each probe's distance to its nearest other probe
+
+    @property
+    def k(self) -> int:
+        return len(self.refs)
+
+    @property
+    def signatures(self) -> int:
+        return len({r.signature for r in self.refs})
+
+    @property
+    def completions(self) -> Counter[str]:
+        return Counter(r.completion for r in self.refs)
+
+    @property
+    def regime(self) -> Regime:
+        n = self.signatures
+        if n == 1:
+            return Regime.EXACT
+        return Regime.MODAL if n <= self.k / 3 else Regime.CONTINUOUS
+
+    @property
+    def threshold(self) -> float:
+        return 0.0 if self.regime is Regime.EXACT else (1 + GUARD) * max(self.loo)
+
+    def first_divergences(self) -> list[int | None]:
+        """Where each probe leaves the modal completion (None: it is the modal completion)."""
+        modal = self.completions.most_common(1)[0][0]
+        ref = next(r for r in self.refs if r.completion == modal)
+        return [None if r.completion == modal else common_prefix(r.ids, ref.ids) for r in self.refs]
+
+    def abs_deltas(self) -> list[float]:
+        """Per-token |Δ logprob| of every probe from each coordinate's median: the raw noise floor."""
+        values: dict[Key, list[float]] = {}
+        for r in self.refs:
+            for k, v in r.coords.items():
+                values.setdefault(k, []).append(v)
+        return sorted(abs(v - statistics.median(vs)) for vs in values.values() for v in vs)
+
+    def summary(self) -> dict:
+        """The noise floor in figures: what `baseline calibrate` prints and the verdicts cite."""
+        spreads = sorted(self.spread.values())
+        deltas = self.abs_deltas()
+        return {
+            "k": self.k,
+            "regime": self.regime.value,
+            "signatures": self.signatures,
+            "completions": len(self.completions),
+            "first_divergence": self.first_divergences(),
+            "abs_dlogprob_p50": _quantile(deltas, 0.5),
+            "abs_dlogprob_p99": _quantile(deltas, 0.99),
+            "abs_dlogprob_max": deltas[-1] if deltas else 0.0,
+            "spread_median": statistics.median(spreads) if spreads else 0.0,
+            "spread_max": spreads[-1] if spreads else 0.0,
+            "loo_max": max(self.loo),
+            "threshold": self.threshold,
+        }
+
+    def as_dict(self) -> dict:
+        return {
+            "request_hash": self.request_hash,
+            "refs": [r.as_list() for r in self.refs],
+            "spread": [[p, t, s] for (p, t), s in sorted(self.spread.items())],
+            "default_spread": self.default_spread,
+            "loo": list(self.loo),
+        }
+
+    @classmethod
+    def from_dict(cls, doc: dict) -> NoiseModel:
+        return cls(
+            request_hash=doc["request_hash"],
+            refs=tuple(Point.from_list(r) for r in doc["refs"]),
+            spread={(int(p), str(t)): float(s) for p, t, s in doc["spread"]},
+            default_spread=float(doc["default_spread"]),
+            loo=tuple(float(x) for x in doc["loo"]),
+        )
+
+
+def _quantile(sorted_values: Sequence[float], q: float) -> float:
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))] if sorted_values else 0.0
+
+
+class CalibrationError(ValueError):
+    """Too few usable probes, or probes of different requests."""
+
+
+def fit(observations: Sequence[Observation]) -> NoiseModel:
+    """Learn the noise model from K ≥ 2 honest probes of one request (failed probes are left out)."""
+    ok = [o for o in observations if o.ok]
+    if len(ok) < 2:
+        raise CalibrationError(f"need at least 2 successful probes to calibrate, got {len(ok)}")
+    if len({o.request_hash for o in ok}) != 1:
+        raise CalibrationError("calibration probes must all be of the same request")
+    refs = tuple(point(o) for o in ok)
+    values: dict[Key, list[float]] = {}
+    for r in refs:
+        for k, v in r.coords.items():
+            values.setdefault(k, []).append(v)
+    supported = {k: robust_spread(v) for k, v in values.items() if len(v) >= MIN_SUPPORT}
+    default = statistics.median(supported.values()) if supported else S_FLOOR
+    spread = {k: supported.get(k, default) for k in values}
+    loo = tuple(
+        min(distance(r, o, spread, default) for j, o in enumerate(refs) if j != i) for i, r in enumerate(refs)
+    )
+    return NoiseModel(ok[0].request_hash, refs, spread, default, loo)
+
+
+def p_to_e(p: float) -> float:
+    """The κ-calibrator: a valid e-value from a valid p-value."""
+    return KAPPA * p ** (KAPPA - 1)
+
+
+def score(model: NoiseModel, obs: Observation) -> Evidence:
+    """How far ``obs`` lies from every honest probe, against the calibrated leave-one-out distances."""
+    x = point(obs)
+    dists = [distance(x, r, model.spread, model.default_spread) for r in model.refs]
+    nearest = min(range(model.k), key=dists.__getitem__)
+    d = dists[nearest]
+    novel = x.completion not in model.completions
+    if novel and d == 0.0 and model.regime is Regime.EXACT:
+        # tokens no honest probe produced, with nothing aligned that moved: still a change
+        d = math.nextafter(0.0, 1.0)
+    p = (1 + sum(1 for v in model.loo if v >= d)) / (model.k + 1)
+    return Evidence(
+        method="exact" if model.regime is Regime.EXACT else "conformal-nn",
+        statistic=d,
+        threshold=model.threshold,
+        p_value=p,
+        e_value=p_to_e(p),
+        detail={
+            "regime": model.regime.value,
+            "k": model.k,
+            "novel_completion": novel,
+            "max_abs_dlogprob": max_abs_delta(x, model.refs[nearest]),
+            "loo_max": max(model.loo),
+        },
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class DetectorState:
+    """The e-CUSUM statistic of one backend, carried from cycle to cycle (and across restarts)."""
+
+    statistic: float = 1.0
+    cycles: int = 0
+    alarm: bool = False
+
+
+def cycle_evalue(evalues: Sequence[float]) -> float:
+    """Mean of e-values: an e-value under any dependence between canaries (Vovk & Wang 2021)."""
+    return sum(evalues) / len(evalues)
+
+
+def cusum(previous: float, e: float) -> float:
+    """The e-CUSUM recursion M_t = E_t·max(M_{t−1}, 1)."""
+    return e * max(previous, 1.0)

@@ -1,0 +1,169 @@
+"""Calibrated detection against a real vLLM (CPU) server: no false alarm on honest restarts, and each
+silent change caught in one probe cycle, including one that leaves every greedy answer unchanged.
+
+The steps run in order on one history: baseline and calibration on fp32, two unchanged restarts, then
+the dtype, an int8 round trip of the weights, and a weight perturbation too small to move a token.
+"""
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from canaryd.vllm_process import VLLMServer, free_port
+
+pytestmark = pytest.mark.vllm
+
+SUITE = """
+[suite]
+name = "detect"
+[defaults]
+max_tokens = 8
+top_logprobs = 5
+[[canary]]
+id = "add"
+messages = [{ role = "user", content = "What is 17 + 25?" }]
+[[canary]]
+id = "capital"
+messages = [{ role = "user", content = "Capital of France?" }]
+[[canary]]
+id = "colors"
+prompt = "The three primary colors of light are"
+[[canary]]
+id = "count"
+prompt = "1, 2, 3,"
+"""
+
+CONFIG = """
+state_dir = "state"
+suites = ["suite.toml"]
+[compare]
+calibration_k = 6
+calibration_batch_sizes = [1, 4]
+[[backends]]
+name = "local"
+kind = "vllm"
+base_url = "http://127.0.0.1:{port}/v1"
+model = "tiny"
+timeout_s = 30
+"""
+
+DRIFT = {"logprob-drift", "answer-drift", "regression"}
+
+
+class Lab:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.port = free_port()
+        (root / "suite.toml").write_text(SUITE)
+        (root / "canaryd.toml").write_text(CONFIG.format(port=self.port))
+        self.serving = root / "serving"  # a symlink, so swapped weights keep the same served path
+
+    def serve(self, model: Path, dtype: str = "float32") -> VLLMServer:
+        self.serving.unlink(missing_ok=True)
+        self.serving.symlink_to(model)
+        return VLLMServer(
+            self.serving,
+            port=self.port,
+            dtype=dtype,
+            extra_args=["--enforce-eager"],
+            log_path=self.root / f"vllm-{model.name}-{dtype}.log",
+        )
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "canaryd", "-c", str(self.root / "canaryd.toml"), *args],
+            capture_output=True,
+            text=True,
+            env=dict(os.environ),
+            timeout=600,
+        )
+
+    def check(self) -> tuple[int, list[dict]]:
+        p = self.cli("check", "--json")
+        assert "Traceback" not in p.stderr, p.stderr
+        return p.returncode, json.loads(p.stdout)["results"]
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory) -> Lab:
+    return Lab(tmp_path_factory.mktemp("detect"))
+
+
+@pytest.fixture(scope="module")
+def nudged_model(tiny_model: Path) -> Path:
+    from canaryd.tinymodel import perturb_weights
+
+    from .conftest import CACHE
+
+    return perturb_weights(tiny_model, CACHE / "random-seed0-noise1e-3", mode="noise", scale=1e-3, seed=1)
+
+
+def test_calibration_on_fp32_measures_a_zero_noise_floor(lab, tiny_model):
+    with lab.serve(tiny_model):
+        first = lab.cli("probe", "--json")
+        assert first.returncode == 0, first.stderr
+        table = lab.cli("baseline", "calibrate", "-k", "2", "--batch-sizes", "1")
+        assert table.returncode == 0 and "exact" in table.stdout, table.stderr
+        cal = lab.cli("baseline", "calibrate", "--json")  # replaces the k=2 models
+        assert cal.returncode == 0, cal.stderr
+        rows = json.loads(cal.stdout)["calibrations"]
+        assert {r["canary"] for r in rows} == {"add", "capital", "colors", "count"}
+        for r in rows:  # 6 probes: 3 alone, 3 beside 3 fillers; the CPU engine is batch-invariant
+            assert r["saved"] and r["k"] == 6 and r["errors"] == 0
+            assert (r["regime"], r["signatures"], r["threshold"]) == ("exact", 1, 0.0)
+        code, results = lab.check()
+        assert code == 0
+        for r in results:
+            assert r["verdict"] == "identical"
+            ev = r["evidence"]
+            assert ev["method"] == "exact" and ev["p_value"] == 1.0 and not ev["out"]
+
+
+@pytest.mark.parametrize("restart", [1, 2])
+def test_unchanged_restarts_raise_no_alarm(lab, tiny_model, restart):
+    with lab.serve(tiny_model):
+        code, results = lab.check()
+    assert code == 0, [r["reasons"] for r in results]
+    assert {r["verdict"] for r in results} == {"identical"}
+    assert all(r["evidence"]["statistic"] == 0.0 for r in results)
+
+
+def assert_detected(results: list[dict], *, tokens_kept: bool) -> None:
+    verdicts = {r["canary"]: r["verdict"] for r in results}
+    assert set(verdicts.values()) <= DRIFT and verdicts, verdicts
+    for r in results:
+        ev = r["evidence"]
+        assert ev["out"] and ev["statistic"] > ev["threshold"] == 0.0
+        assert ev["p_value"] == pytest.approx(1 / 7)  # 1/(k+1): beyond all k = 6 honest probes
+        assert ev["detail"]["max_abs_dlogprob"] > 0
+    if tokens_kept:
+        assert set(verdicts.values()) == {"logprob-drift"}
+        assert all(r["text_identical"] for r in results)
+
+
+def test_bf16_is_detected_in_one_cycle(lab, tiny_model):
+    with lab.serve(tiny_model, dtype="bfloat16"):
+        code, results = lab.check()
+    assert code == 1
+    assert_detected(results, tokens_kept=False)
+
+
+def test_int8_round_trip_is_detected_in_one_cycle(lab, int8_model):
+    with lab.serve(int8_model):
+        code, results = lab.check()
+    assert code == 1
+    assert_detected(results, tokens_kept=False)
+
+
+def test_a_perturbation_that_keeps_every_greedy_answer_is_detected_in_one_cycle(lab, nudged_model):
+    with lab.serve(nudged_model):
+        code, results = lab.check()
+    assert code == 1
+    assert_detected(results, tokens_kept=True)
+    db = sqlite3.connect(lab.root / "state" / "canaryd.db")
+    assert db.execute("select alarm from detector where backend = 'local'").fetchone() == (1,)
