@@ -54,7 +54,7 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -69,7 +69,7 @@ from canaryd.compare import Comparison, compare, decide  # noqa: E402
 from canaryd.config import BackendConfig, CompareConfig  # noqa: E402
 from canaryd.observation import Observation  # noqa: E402
 from canaryd.sampled import answer, answer_test  # noqa: E402
-from canaryd.stats import DetectorState, NoiseModel, Regime, fit  # noqa: E402
+from canaryd.stats import DetectorState, NoiseModel, fit  # noqa: E402
 from canaryd.tinymodel import build_tiny_model, perturb_weights  # noqa: E402
 from canaryd.vllm_process import VLLMServer  # noqa: E402
 
@@ -134,7 +134,7 @@ QUICK = replace(
 class Rule:
     """``decide``'s knobs for one test."""
 
-    min_out: int
+    min_out: int | None  # None: `decide` derives it from arl (`stats.min_out_for`), as the daemon does
     arl: float
 
 
@@ -292,24 +292,6 @@ def collect(
 
 
 # -- canaryd's decision, as the daemon takes it --------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class Fitted(NoiseModel):
-    """A `NoiseModel` whose regime is computed once: ``NoiseModel.regime`` hashes all K reference probes on
-    every access, three times per `score`, which was most of the shim's run time. Results are identical."""
-
-    known_regime: Regime = Regime.EXACT
-
-    @property
-    def regime(self) -> Regime:
-        return self.known_regime
-
-
-def fitted(observations: Sequence[Observation]) -> NoiseModel:
-    """`stats.fit`, with the regime memoised (`Fitted`)."""
-    m = fit(observations)
-    return Fitted(*(getattr(m, f.name) for f in fields(m)), known_regime=m.regime)
-
-
 def judge(canary: Canary, base: Observation, obs: Observation, model: NoiseModel) -> Comparison:
     """One probe of a calibrated canary against its baseline: what `probe.judge` computes."""
     check = canary.expect.check if canary.expect else None
@@ -484,7 +466,7 @@ def shim_rows(
     c = len(canaries)
     rules = {
         "canaryd (alpha knobs)": alpha_rule(alpha, max(settings.r_probes), settings.k, c),
-        f"canaryd (defaults min_out {DEFAULT_RULE.min_out}, arl {DEFAULT_RULE.arl:g})": DEFAULT_RULE,
+        f"canaryd (defaults: min_out from arl {DEFAULT_RULE.arl:g})": DEFAULT_RULE,
     }
     rows = {(v, name): Row(v, name, sigma_mode=sigma) for v in servers for name in rules}
     longest = max(settings.r_probes)
@@ -496,7 +478,7 @@ def shim_rows(
             cid: [shim(o, mixes[i % SHIM_CAL_DAYS]) for i, o in enumerate(obs)]
             for cid, obs in calibration.items()
         }
-        models = {cid: fitted(obs) for cid, obs in cal.items()}
+        models = {cid: fit(obs) for cid, obs in cal.items()}
         base = {cid: obs[0] for cid, obs in cal.items()}
         for variant, served in servers.items():
             trials = settings.null_trials if variant == "N0" else settings.trials
@@ -571,7 +553,7 @@ def main() -> None:
             cid: [answer(o) for o in obs]
             for cid, obs in sampled(backend, canaries, settings.samples, rng).items()
         }
-    models = {cid: fitted(obs) for cid, obs in calibration.items()}
+    models = {cid: fit(obs) for cid, obs in calibration.items()}
     baseline = {cid: obs[0] for cid, obs in calibration.items()}
     phases["baseline server"] = time.perf_counter() - t
     print(

@@ -640,7 +640,9 @@ def stack(
 def baseline_accept(
     ctx: typer.Context,
     backend: Annotated[str | None, typer.Option(help="Only this backend.")] = None,
-    canary: Annotated[str | None, typer.Option(help="Only this canary.")] = None,
+    canary: Annotated[
+        str | None, typer.Option(help="Only this canary (a chained one: all its steps).")
+    ] = None,
 ) -> None:
     """Make the latest successful observation the baseline (after an intended change)."""
     from canaryd.store import Store

@@ -23,7 +23,16 @@ from dataclasses import dataclass, field, replace
 
 from canaryd.observation import Observation, TokenLogprob
 from canaryd.stack import FieldChange, diff
-from canaryd.stats import DetectorState, Evidence, NoiseModel, cusum, cycle_evalue, score
+from canaryd.stats import (
+    DetectorState,
+    Evidence,
+    NoiseModel,
+    cusum,
+    cycle_evalue,
+    min_out_for,
+    out_bound,
+    score,
+)
 
 __all__ = ["Comparison", "Evidence", "TokenDelta", "Verdict", "compare", "decide", "token_delta"]
 
@@ -250,12 +259,13 @@ def decide(
     state: DetectorState,
     *,
     arl: float,
-    min_out: int,
+    min_out: int | None = None,
 ) -> Decision:
     """Fold one backend cycle into its detector and settle the verdicts of calibrated canaries.
 
     ``comparisons[i]`` belongs to ``canary_ids[i]``; several observations of one canary (samples) count
     once. Only comparisons whose evidence came from a noise model or a two-sample test take part.
+    ``min_out`` None: derived from ``arl`` (`min_out_for`).
     """
     evidence: dict[str, Evidence] = {}
     for cid, c in zip(canary_ids, comparisons, strict=True):
@@ -267,7 +277,10 @@ def decide(
     m = cusum(state.statistic, e)
     out = tuple(cid for cid, ev in evidence.items() if ev.out)
     exact_out = any(ev.out and ev.method == "exact" for ev in evidence.values())
-    alarm = state.alarm or exact_out or m >= arl or len(out) >= min_out
+    if min_out is None:
+        min_out = min_out_for([out_bound(ev) for ev in evidence.values()], arl)
+    fast = min_out is not None and len(out) >= min_out
+    alarm = state.alarm or exact_out or m >= arl or fast
     new_state = DetectorState(m, state.cycles + 1, alarm)
     settled = []
     for c in comparisons:
@@ -281,8 +294,11 @@ def decide(
             and not alarm
         )
         if held:
+            needs = (
+                f"alarm needs {min_out}" if min_out is not None else "too few canaries to alarm in one cycle"
+            )
             why = (
-                f"out alone: {len(out)} of {len(evidence)} calibrated canaries out (alarm needs {min_out}), "
+                f"out alone: {len(out)} of {len(evidence)} calibrated canaries out ({needs}), "
                 f"e-CUSUM {m:.3g} < {arl:g}"
             )
             c = replace(c, verdict=Verdict.NOISE, reasons=(why, *c.reasons))

@@ -139,7 +139,8 @@ class CompareConfig(_Strict):
     # Calibrated canaries (``baseline calibrate``, see stats.py). Outside the exact regime one canary beyond
     # its noise is a drift verdict only when the backend's alarm is on: ``min_out`` canaries beyond noise in
     # one cycle, or the e-CUSUM reaching ``arl`` (≈ the mean number of cycles between false alarms).
-    min_out: Annotated[int, Field(ge=1)] = 2
+    # ``min_out`` unset: the fewest that happen by chance at most once in ``arl`` cycles (stats.min_out_for).
+    min_out: Annotated[int, Field(ge=1)] | None = None
     arl: Annotated[float, Field(gt=1)] = 10_000.0
     # Probes per canary for `baseline calibrate` (split over the load levels) and the filler batch sizes.
     calibration_k: Annotated[int, Field(ge=2, le=1000)] = 20

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterator, Sequence
 
 from rich.console import Console
 from rich.table import Table
@@ -51,18 +52,37 @@ def result_dict(r: Result) -> dict:
     }
 
 
+def _groups(results: Sequence[Result]) -> Iterator[list[Result]]:
+    """Consecutive results of one canary with one verdict and reasons: a sampled canary's n draws."""
+
+    def key(r: Result) -> tuple:
+        return (r.observation.backend, r.observation.canary_id, r.comparison.verdict, r.comparison.reasons)
+
+    for _, group in itertools.groupby(results, key=key):
+        yield list(group)
+
+
+def _correct(group: Sequence[Result]) -> str:
+    if len(group) == 1:
+        return _tick(group[0].comparison.correct)
+    judged = [r.comparison.correct for r in group if r.comparison.correct is not None]
+    return f"{sum(judged)}/{len(judged)}" if judged else "-"
+
+
 def results_table(results: Sequence[Result]) -> Table:
+    """One row per canary result; a sampled canary's draws share one row (``id ×n``, correct as k/n)."""
     t = Table(title="canaryd check", title_justify="left")
     for col in ("backend", "canary", "verdict", "correct", "1st div", "max |Δlp|", "fingerprint", "why"):
         t.add_column(col, overflow="fold")
-    for r in results:
+    for group in _groups(results):
+        r = group[0]
         c, d = r.comparison, r.comparison.delta
         moved = None if d is None else max(d.max_abs_dlogprob or 0.0, d.max_abs_dtop or 0.0)
         t.add_row(
             r.observation.backend,
-            r.observation.canary_id,
+            r.observation.canary_id + (f" ×{len(group)}" if len(group) > 1 else ""),
             f"[{_STYLE[c.verdict]}]{c.verdict.value}[/]",
-            _tick(c.correct),
+            _correct(group),
             "-" if d is None or d.first_divergence is None else str(d.first_divergence),
             _num(moved),
             r.observation.system_fingerprint or "-",

@@ -3,7 +3,9 @@
 A run is one pass of a backend's canaries. A *question* is a canary; its *steps* are its observations in the
 order sent (one for a plain canary, one per step of a chained canary, ``id:step``) and its *final answer*
 is its last step. A step changed when its token ids (the tokens, where the server gave no ids) or its text
-differ between the runs. A score is per suite: final answers that passed ``expect`` over those judged.
+differ between the runs. A sampled canary's n draws are its steps by occurrence (draw i against draw i:
+meaningful with pinned seeds; ``canaryd check`` tests the draws as distributions). A score is per suite:
+final answers that passed ``expect`` over those judged.
 
 Counting every step and every answer, not totals, is the point: a score can hold still while answers move
 in opposite directions (one gained, one lost), and answers can hold while the reasoning under them moves.

@@ -60,8 +60,15 @@ concurrency = 4              # canaries in flight at once on this backend
 
 [compare]
 # Largest |delta logprob| still called identical. 0 (the default): any change counts, which is right
-# for a batch-invariant or otherwise deterministic engine. Raise it for noisy engines.
+# for a batch-invariant or otherwise deterministic engine. Raise it for noisy engines, or better,
+# measure the noise: `canaryd baseline calibrate` sends each canary calibration_k times (alone and
+# beside filler requests) and then decides by statistics, not by this tolerance.
 logprob_tolerance = 0.0
+# calibration_k = 20
+# calibration_batch_sizes = [1, 8]
+# arl = 10000       # mean cycles between false alarms of calibrated canaries, at least
+# min_out = 4       # calibrated canaries out in one cycle to alarm (default: derived from arl)
+# alpha = 0.001     # sampled canaries (samples > 1): false-alarm rate per comparison
 """
 
 

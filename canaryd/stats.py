@@ -26,7 +26,11 @@ change counts: the EXACT regime.
 **Combining canaries and cycles** (`decide`). A per-canary bound of 1/(K+1) is too loose for a pager, so
 outside the EXACT regime one out canary is only a drift verdict when the backend's alarm is on:
 
-* fast path: at least ``min_out`` calibrated canaries are out in the same cycle;
+* fast path: at least ``m`` calibrated canaries are out in the same cycle, where ``m`` (`min_out_for`) is
+  the smallest count whose chance under no change, ``C(n, m)·q^m`` with ``q`` the largest per-canary
+  bound (1/(K+1), or a sampled canary's alpha), is at most ``1/arl``. That bound treats canaries as
+  independent; a fixed ``min_out`` in the config overrides it. With few canaries or a small K no count
+  qualifies, and only the slow path can alarm: calibrate with a larger K to decide in one cycle;
 * slow path: an e-CUSUM detector. Each p-value becomes an e-value ``e = κ·p^(κ−1)`` (κ = 0.5), the cycle's
   e-value ``E_t`` is their mean (valid under any dependence), and ``M_t = E_t·max(M_{t−1}, 1)``. The alarm
   is ``M_t ≥ A``; by the e-detector bound (Shin, Ramdas & Rinaldo 2023) the average run length to a false
@@ -179,25 +183,21 @@ class NoiseModel:
     spread: Mapping[Key, float]
     default_spread: float
     loo: tuple[float, ...]  # each probe's distance to its nearest other probe
+    # derived from refs once (hashing every coordinate is most of what scoring would cost)
+    signatures: int = field(init=False)
+    completions: Counter[str] = field(init=False)
+    regime: Regime = field(init=False)
+
+    def __post_init__(self) -> None:
+        n = len({r.signature for r in self.refs})
+        regime = Regime.EXACT if n == 1 else Regime.MODAL if n <= len(self.refs) / 3 else Regime.CONTINUOUS
+        object.__setattr__(self, "signatures", n)
+        object.__setattr__(self, "completions", Counter(r.completion for r in self.refs))
+        object.__setattr__(self, "regime", regime)
 
     @property
     def k(self) -> int:
         return len(self.refs)
-
-    @property
-    def signatures(self) -> int:
-        return len({r.signature for r in self.refs})
-
-    @property
-    def completions(self) -> Counter[str]:
-        return Counter(r.completion for r in self.refs)
-
-    @property
-    def regime(self) -> Regime:
-        n = self.signatures
-        if n == 1:
-            return Regime.EXACT
-        return Regime.MODAL if n <= self.k / 3 else Regime.CONTINUOUS
 
     @property
     def threshold(self) -> float:
@@ -324,6 +324,18 @@ class DetectorState:
     statistic: float = 1.0
     cycles: int = 0
     alarm: bool = False
+
+
+def out_bound(ev: Evidence) -> float:
+    """An upper bound on P(out | no change) for one canary: 1/(K+1) calibrated, alpha for a sampled one."""
+    return 1 / (ev.detail["k"] + 1) if "k" in ev.detail else float(ev.detail["alpha"])
+
+
+def min_out_for(bounds: Sequence[float], arl: float) -> int | None:
+    """The fewest out canaries that are an alarm in one cycle: the smallest m with C(n, m)·q^m ≤ 1/arl
+    (q the largest bound: independent canaries). None when even all n out would be too likely."""
+    q = max(bounds)
+    return next((m for m in range(1, len(bounds) + 1) if math.comb(len(bounds), m) * q**m <= 1 / arl), None)
 
 
 def cycle_evalue(evalues: Sequence[float]) -> float:

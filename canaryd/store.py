@@ -630,7 +630,8 @@ class Store:
     ) -> list[tuple[str, str, int]]:
         """Make the latest successful observation of each canary × backend its baseline.
 
-        Across the whole database: in a fleet, the latest observation of any instance.
+        Across the whole database: in a fleet, the latest observation of any instance. A chained
+        canary's id selects every one of its steps (``id:step``).
         """
         accepted = []
         with self._session() as s:
@@ -638,7 +639,10 @@ class Store:
             if backend:
                 q = q.where(ObservationRow.backend == backend)
             if canary_id:
-                q = q.where(ObservationRow.canary_id == canary_id)
+                q = q.where(
+                    (ObservationRow.canary_id == canary_id)
+                    | ObservationRow.canary_id.startswith(f"{canary_id}:", autoescape=True)  # type: ignore[attr-defined]
+                )
             latest: dict[tuple[str, str], ObservationRow] = {}
             for row in s.exec(q.order_by(ObservationRow.id)):  # type: ignore[arg-type]
                 latest[(row.backend, row.canary_id)] = row

@@ -15,6 +15,8 @@ from canaryd.canaries import Expect, load_suite
 from canaryd.compare import Comparison, Verdict
 from canaryd.errors import InputError
 from canaryd.observation import ErrorKind, Observation, TokenLogprob
+from canaryd.probe import Result
+from canaryd.report import results_table
 from canaryd.sampled import (
     answer_test,
     compare_samples,
@@ -324,4 +326,11 @@ def test_judge_samples_baselines_the_first_cycle_and_compares_sets_after(tmp_pat
     ev = ok[0][0].evidence
     assert ev.detail["n"] == {"baseline": 29, "current": 29, "failed": 1}
     assert ev.detail["correct"]["baseline"]["n"] == 29
+
+    # `canaryd check`'s table: the draws share a row, split only by the failed one
+    rows = results_table([Result(i, 0, o, c) for i, (o, c, _) in enumerate(second)]).columns
+    assert list(rows[1].cells) == ["c ×3", "c", "c ×26"]
+    assert list(rows[2].cells)[1].endswith("error[/]")
+    hits = [c.correct for _, c, _ in second]
+    assert list(rows[3].cells) == [f"{sum(hits[:3])}/3", "-", f"{sum(hits[4:])}/26"]
     store.close()

@@ -21,6 +21,7 @@ from canaryd.stats import (
     cusum,
     cycle_evalue,
     fit,
+    min_out_for,
     p_to_e,
     score,
 )
@@ -245,6 +246,57 @@ def test_decide_holds_a_lone_modal_outlier_and_alarms_when_enough_canaries_move(
     both = decide(ids, cycle([0.05, 0.05, 0, 0]), lone.state, arl=1e4, min_out=2)
     assert both.state.alarm and set(both.out) == {"c0", "c1"}
     assert [c.verdict for c in both.comparisons[:2]] == [Verdict.LOGPROB_DRIFT] * 2
+
+
+def test_min_out_for_takes_the_fewest_outs_that_chance_explains_once_in_arl_cycles():
+    # C(4, m)/31^m: m=3 gives 1.3e-4 > 1e-4, m=4 gives 1.1e-6
+    assert min_out_for([1 / 31] * 4, 1e4) == 4
+    assert min_out_for([1 / 31] * 4, 100) == 2  # C(4, 2)/961 = 6.2e-3 ≤ 1e-2
+    assert min_out_for([1 / 21] * 6, 1e4) == 4  # C(6, 3)/21^3 = 2.2e-3; C(6, 4)/21^4 = 7.7e-5
+    assert min_out_for([1 / 21], 1e4) is None  # one canary at K=20 can never prove 1e-4 in one cycle
+    assert min_out_for([1 / 31, 0.001], 1e4) is None  # the largest bound decides: 1/31² > 1e-4
+    assert min_out_for([1 / 101, 1 / 101], 1e4) == 2
+
+
+def test_decide_derives_min_out_from_arl_when_unset():
+    sources = [Modal(40 + i) for i in range(4)]
+    models = [fit([s.draw() for _ in range(30)]) for s in sources]
+    bases = [s.draw() for s in sources]
+    ids = [f"c{i}" for i in range(4)]
+
+    def cycle(shift: list[float]):
+        return [
+            compare(b, s.draw(shift=x), correct=None, noise=m)
+            for b, s, m, x in zip(bases, sources, models, shift, strict=True)
+        ]
+
+    three = decide(ids, cycle([0.05, 0.05, 0.05, 0]), DetectorState(), arl=1e4)
+    assert len(three.out) == 3 and not three.state.alarm
+    assert "alarm needs 4" in three.comparisons[0].reasons[0]
+    four = decide(ids, cycle([0.05] * 4), DetectorState(), arl=1e4)
+    assert four.state.alarm and all(c.verdict is Verdict.LOGPROB_DRIFT for c in four.comparisons)
+
+
+def test_one_cycle_false_alarms_under_derived_min_out_stay_below_one_in_arl():
+    k, n, cycles, arl = 20, 6, 600, 1e4
+    sources = [Modal(60 + i) for i in range(n)]
+    models = [fit([s.draw() for _ in range(k)]) for s in sources]
+    bases = [s.draw() for s in sources]
+    ids = [f"c{i}" for i in range(n)]
+    alarms = outs = 0
+    for t in range(cycles):
+        if t % 24 == 0:
+            for s in sources:
+                s.reload()
+        comps = [
+            compare(b, s.draw(), correct=None, noise=m)
+            for b, s, m in zip(bases, sources, models, strict=True)
+        ]
+        d = decide(ids, comps, DetectorState(), arl=arl)  # a fresh detector: only the one-cycle path can fire
+        alarms += d.state.alarm
+        outs += len(d.out)
+    assert alarms == 0  # the bound is cycles/arl = 0.06 expected
+    assert outs / (n * cycles) <= 1 / (k + 1)  # canaries do go out alone: the fast path must not trust one
 
 
 def test_decide_passes_exact_changes_through_and_without_evidence_changes_nothing():

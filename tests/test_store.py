@@ -66,3 +66,16 @@ def test_errors_never_become_baselines_and_accept_takes_latest_success(tmp_path)
     store.add_observation(run, bad, compare(None, bad, correct=None), None)
     assert store.accept_latest() == [("b", "c", newest_id)]
     assert store.baseline("b", "c")[0] == newest_id
+
+
+def test_accepting_a_chained_canary_takes_every_step_and_only_its_steps(tmp_path):
+    store = Store(f"sqlite:///{tmp_path}/h.db")
+    run = store.start_run("b")
+    ids = {}
+    for cid in ("plan:extract", "plan:answer", "plan_b", "planet:x", "plan"):
+        obs = make_obs()
+        obs.canary_id = cid
+        ids[cid] = store.add_observation(run, obs, compare(None, obs, correct=None), None)
+    accepted = store.accept_latest(canary_id="plan")
+    assert sorted(accepted) == [("b", c, ids[c]) for c in ("plan", "plan:answer", "plan:extract")]
+    assert store.accept_latest(canary_id="pl_n") == []  # LIKE wildcards are escaped: not "plan:..."
