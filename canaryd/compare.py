@@ -34,7 +34,7 @@ from canaryd.stats import (
     score,
 )
 
-__all__ = ["Comparison", "Evidence", "TokenDelta", "Verdict", "compare", "decide", "token_delta"]
+__all__ = ["Comparison", "Decision", "Evidence", "TokenDelta", "Verdict", "compare", "decide", "token_delta"]
 
 
 class Verdict(enum.StrEnum):
@@ -197,11 +197,11 @@ def compare(
         )
 
     if not beyond_noise:
-        if evidence is not None and (not tokens_same or moved > 0 or topk_changed):
+        if stack_changes or prompt_changed:  # the stack moved under a probe within noise: still say so
+            verdict = Verdict.STACK_CHANGE
+        elif evidence is not None and (not tokens_same or moved > 0 or topk_changed):
             verdict = Verdict.NOISE
             reasons.insert(0, _evidence_reason(evidence, "within the calibrated noise"))
-        elif stack_changes or prompt_changed:
-            verdict = Verdict.STACK_CHANGE
         else:
             verdict = Verdict.IDENTICAL
     elif baseline_correct and correct is False:
@@ -263,42 +263,39 @@ def decide(
 ) -> Decision:
     """Fold one backend cycle into its detector and settle the verdicts of calibrated canaries.
 
-    ``comparisons[i]`` belongs to ``canary_ids[i]``; several observations of one canary (samples) count
-    once. Only comparisons whose evidence came from a noise model or a two-sample test take part.
-    ``min_out`` None: derived from ``arl`` (`min_out_for`).
+    ``comparisons[i]`` belongs to ``canary_ids[i]``. Only comparisons with evidence from a noise model or a
+    two-sample test take part, and each canary counts once: a sampled canary's n draws share one
+    evidence, and a chain's steps (``id:step``, whose inputs depend on each other) are one canary, out when
+    any step is out, its chance of that bounded by the sum of its steps' (a union bound), its e-value the
+    mean of theirs. ``min_out`` None: derived from ``arl`` (`min_out_for`). Only ``conformal-nn`` drift is
+    held back as ``within-noise``; an exact-regime change and a sampled canary's two-sample test (already
+    at its own alpha) stand as they are.
     """
-    evidence: dict[str, Evidence] = {}
+    steps: dict[str, dict[str, Evidence]] = {}
     for cid, c in zip(canary_ids, comparisons, strict=True):
         if c.evidence is not None and c.evidence.e_value is not None:
-            evidence.setdefault(cid, c.evidence)
-    if not evidence:
+            steps.setdefault(cid.partition(":")[0], {}).setdefault(cid, c.evidence)
+    if not steps:
         return Decision(list(comparisons), state, None)
-    e = cycle_evalue([ev.e_value for ev in evidence.values()])  # type: ignore[misc]
+    e = cycle_evalue([cycle_evalue([ev.e_value for ev in s.values()]) for s in steps.values()])  # type: ignore[misc]
     m = cusum(state.statistic, e)
-    out = tuple(cid for cid, ev in evidence.items() if ev.out)
-    exact_out = any(ev.out and ev.method == "exact" for ev in evidence.values())
+    out = tuple(q for q, s in steps.items() if any(ev.out for ev in s.values()))
+    exact_out = any(ev.out and ev.method == "exact" for s in steps.values() for ev in s.values())
     if min_out is None:
-        min_out = min_out_for([out_bound(ev) for ev in evidence.values()], arl)
+        bounds = [min(1.0, sum(out_bound(ev) for ev in s.values())) for s in steps.values()]
+        min_out = min_out_for(bounds, arl)
     fast = min_out is not None and len(out) >= min_out
     alarm = state.alarm or exact_out or m >= arl or fast
     new_state = DetectorState(m, state.cycles + 1, alarm)
     settled = []
     for c in comparisons:
         ev = c.evidence
-        held = (
-            ev is not None
-            and ev.out
-            and ev.method == "conformal-nn"
-            and c.verdict.is_drift
-            and c.verdict is not Verdict.STACK_CHANGE
-            and not alarm
-        )
-        if held:
+        if ev is not None and ev.out and ev.method == "conformal-nn" and c.verdict.is_drift and not alarm:
             needs = (
                 f"alarm needs {min_out}" if min_out is not None else "too few canaries to alarm in one cycle"
             )
             why = (
-                f"out alone: {len(out)} of {len(evidence)} calibrated canaries out ({needs}), "
+                f"out alone: {len(out)} of {len(steps)} calibrated canaries out ({needs}), "
                 f"e-CUSUM {m:.3g} < {arl:g}"
             )
             c = replace(c, verdict=Verdict.NOISE, reasons=(why, *c.reasons))

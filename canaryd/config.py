@@ -135,7 +135,7 @@ class CompareConfig(_Strict):
     # Largest |Δ logprob| still called identical. 0: any change counts (right for batch-invariant engines).
     logprob_tolerance: Annotated[float, Field(ge=0)] = 0.0
     # False-alarm rate per sampled-canary comparison (split over its two tests: see sampled.py).
-    alpha: Annotated[float, Field(gt=0, lt=1)] = 0.001
+    alpha: Annotated[float, Field(ge=1e-6, lt=1)] = 0.001  # below 1e-6 its permutation test would not fit
     # Calibrated canaries (``baseline calibrate``, see stats.py). Outside the exact regime one canary beyond
     # its noise is a drift verdict only when the backend's alarm is on: ``min_out`` canaries beyond noise in
     # one cycle, or the e-CUSUM reaching ``arl`` (≈ the mean number of cycles between false alarms).
@@ -144,7 +144,9 @@ class CompareConfig(_Strict):
     arl: Annotated[float, Field(gt=1)] = 10_000.0
     # Probes per canary for `baseline calibrate` (split over the load levels) and the filler batch sizes.
     calibration_k: Annotated[int, Field(ge=2, le=1000)] = 20
-    calibration_batch_sizes: tuple[Annotated[int, Field(ge=1, le=256)], ...] = (1, 8)
+    calibration_batch_sizes: Annotated[
+        tuple[Annotated[int, Field(ge=1, le=256)], ...], Field(min_length=1)
+    ] = (1, 8)
 
 
 class ScheduleConfig(_Strict):

@@ -15,7 +15,7 @@ import structlog
 from canaryd.backends import Backend, BackendUnavailable, make_backend
 from canaryd.canaries import Canary, Suite, load_suites
 from canaryd.chain import mark_divergence, run_chain
-from canaryd.compare import Comparison, compare, decide
+from canaryd.compare import Comparison, Decision, compare, decide
 from canaryd.config import Config
 from canaryd.observation import Observation
 from canaryd.sampled import draw_samples, judge_samples
@@ -44,7 +44,7 @@ class BackendRun:
     results: list[Result]
     stack: dict[str, str]
     unavailable: BackendUnavailable | None = None
-    detector: DetectorState | None = None  # the e-CUSUM after this run; None without calibrated canaries
+    detector: DetectorState | None = None  # the backend's e-CUSUM after this run (as stored)
 
     @property
     def stack_hash(self) -> str:
@@ -91,7 +91,7 @@ def judge(
             noise=store.calibration(obs.backend, obs.canary_id),
         )
         out.append((obs, comparison, base[0] if base else None))
-    return out if canary.steps is None else mark_divergence(canary, out)
+    return out
 
 
 def probe_backend(backend: Backend, canaries: Sequence[Canary], store: Store, config: Config) -> BackendRun:
@@ -124,17 +124,22 @@ def probe_backend(backend: Backend, canaries: Sequence[Canary], store: Store, co
         for obs in observations:
             if obs.ok:
                 obs.stack = {**stack, **obs.stack}
-        judged.extend(judge(store, config, canary, observations))
+        judged.append(judge(store, config, canary, observations))
+    flat = [j for per_canary in judged for j in per_canary]
+
     # The cycle as a whole: combine the calibrated evidence and carry the backend's detector forward.
-    decision = decide(
-        [obs.canary_id for obs, _, _ in judged],
-        [c for _, c, _ in judged],
-        store.detector(backend.name),
-        arl=config.compare.arl,
-        min_out=config.compare.min_out,
-    )
+    def fold(state: DetectorState) -> tuple[DetectorState | None, Decision]:
+        d = decide(
+            [obs.canary_id for obs, _, _ in flat],
+            [c for _, c, _ in flat],
+            state,
+            arl=config.compare.arl,
+            min_out=config.compare.min_out,
+        )
+        return (d.state if d.cycle_e is not None else None), d
+
+    decision = store.fold_detector(backend.name, fold)
     if decision.cycle_e is not None:
-        store.save_detector(backend.name, decision.state)
         bound.info(
             "detector",
             cycle_e=round(decision.cycle_e, 4),
@@ -142,8 +147,14 @@ def probe_backend(backend: Backend, canaries: Sequence[Canary], store: Store, co
             alarm=decision.state.alarm,
             out=list(decision.out),
         )
+    # a chain names its first diverged step once the cycle's decision has settled each step's verdict
+    settled = iter(decision.comparisons)
+    final = []
+    for canary, per_canary in zip(canaries, judged, strict=True):
+        steps = [(obs, next(settled), baseline_id) for obs, _, baseline_id in per_canary]
+        final.extend(steps if canary.steps is None else mark_divergence(canary, steps))
     results = []
-    for (obs, _, baseline_id), comparison in zip(judged, decision.comparisons, strict=True):
+    for obs, comparison, baseline_id in final:
         obs_id = store.add_observation(run_id, obs, comparison, baseline_id)
         bound.info(
             "observation",
@@ -161,8 +172,7 @@ def probe_backend(backend: Backend, canaries: Sequence[Canary], store: Store, co
         if failure is None
         else {}
     )
-    detector = decision.state if decision.cycle_e is not None else None
-    return BackendRun(backend.name, backend.kind, run_id, results, run_stack, failure, detector)
+    return BackendRun(backend.name, backend.kind, run_id, results, run_stack, failure, decision.state)
 
 
 def probe_all(

@@ -4,8 +4,8 @@ Pure functions over observations; no I/O. ``canaryd baseline calibrate`` sends e
 and inside crowded batches) and `fit` turns those K probes into a `NoiseModel`. Every later probe is
 scored against it (`score`) and every probe cycle of a backend is combined (`decide`).
 
-**The per-probe statistic** (mode-aware nearest neighbour, after detection.md §3.3). A probe is a point
-whose coordinates are logprobs: for each generated position, the chosen token's and every top-k
+**The per-probe statistic** (mode-aware nearest neighbour, after docs/detection-research.md §3.3). A probe
+is a point whose coordinates are logprobs: for each generated position, the chosen token's and every top-k
 alternative's, keyed by (position, token). Two probes are compared only where their contexts agree (up to
 and including the first position where their tokens part). Each coordinate is standardised by its
 calibrated spread ``s_j = max(1.4826·MAD_j, range_j/4, S_FLOOR)``, and the distance is the RMS of the
@@ -34,7 +34,14 @@ outside the EXACT regime one out canary is only a drift verdict when the backend
 * slow path: an e-CUSUM detector. Each p-value becomes an e-value ``e = κ·p^(κ−1)`` (κ = 0.5), the cycle's
   e-value ``E_t`` is their mean (valid under any dependence), and ``M_t = E_t·max(M_{t−1}, 1)``. The alarm
   is ``M_t ≥ A``; by the e-detector bound (Shin, Ramdas & Rinaldo 2023) the average run length to a false
-  alarm is at least ``A`` cycles. It catches small persistent shifts no single cycle proves.
+  alarm is at least ``A`` cycles. That needs each cycle's e-value valid given the past; conformal
+  p-values against one fixed calibration are valid on average over calibrations, so the bound is
+  approximate (recalibrating after a stack change renews it). It catches small persistent shifts no
+  single cycle proves.
+
+A chain's steps count as one canary (their inputs depend on each other): out if any step is, with the
+sum of the steps' bounds, and the mean of their e-values. A sampled canary's two-sample test decides at
+its own alpha and is never held back.
 
 In the EXACT regime every out canary is a drift verdict at once, and the detector still runs (so the
 alarm series means the same on every backend).
@@ -61,7 +68,7 @@ Key = tuple[int, str]
 
 
 class Regime(enum.StrEnum):
-    """How the calibration probes spread (detection.md §2.1)."""
+    """How the calibration probes spread (docs/detection-research.md §2.1)."""
 
     EXACT = "exact"  # one bit-exact signature: any change counts
     MODAL = "modal"  # a few signatures (at most K/3): discrete numerical paths
@@ -137,13 +144,9 @@ def point(obs: Observation) -> Point:
     return Point(tuple(ids), coords)
 
 
-def common_prefix(a: Sequence[str], b: Sequence[str]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+def common_prefix(a: Sequence, b: Sequence) -> int:
+    """The first index where ``a`` and ``b`` differ (the shorter length if one is a prefix of the other)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def aligned(x: Point, b: Point) -> list[Key]:
@@ -297,8 +300,8 @@ def score(model: NoiseModel, obs: Observation) -> Evidence:
     nearest = min(range(model.k), key=dists.__getitem__)
     d = dists[nearest]
     novel = x.completion not in model.completions
-    if novel and d == 0.0 and model.regime is Regime.EXACT:
-        # tokens no honest probe produced, with nothing aligned that moved: still a change
+    if novel and d == 0.0:
+        # tokens no honest probe produced, with nothing aligned that moved (or no logprobs at all): a change
         d = math.nextafter(0.0, 1.0)
     p = (1 + sum(1 for v in model.loo if v >= d)) / (model.k + 1)
     return Evidence(

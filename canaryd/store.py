@@ -34,16 +34,19 @@ import hashlib
 import json
 import os
 import socket
+import threading
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TypeVar
 
 import structlog
 from sqlalchemy import JSON, Column, Index, LargeBinary, bindparam, delete, event, inspect, or_, text
 from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import aliased
 from sqlmodel import Field, Session, SQLModel, col, create_engine, select
 
 from canaryd.compare import Comparison
@@ -54,6 +57,7 @@ from canaryd.stats import DetectorState, NoiseModel
 
 PAYLOAD_FORMAT = 1
 log = structlog.get_logger("canaryd.store")
+T = TypeVar("T")
 
 
 class SchemaMismatch(SQLAlchemyError):
@@ -465,6 +469,7 @@ class Store:
 
     def __init__(self, url: str, instance: str | None = None) -> None:
         self.instance = instance or socket.gethostname()
+        self._detector_lock = threading.Lock()
         self.engine = make_engine(url)
         try:
             before, after = migrate(self.engine)
@@ -675,28 +680,46 @@ class Store:
     def drop_calibrations(self, pairs: Sequence[tuple[str, str]]) -> int:
         """Forget the noise models of these backend × canary pairs (an accepted baseline outdates them)."""
         with self._session() as s:
-            n = 0
+            dropped = set()
             for backend, canary_id in pairs:
                 row = s.get(CalibrationRow, (backend, canary_id))
                 if row is not None:
                     s.delete(row)
-                    n += 1
-            for backend in {b for b, _ in pairs}:
+                    dropped.add((backend, canary_id))
+            for backend in {b for b, _ in dropped}:  # an alarm raised by canaries still calibrated stands
                 self._reset_detector(s, backend)
             s.commit()
-            return n
+            return len(dropped)
 
-    def save_detector(self, backend: str, state: DetectorState) -> None:
-        with self._session() as s:
-            row = s.get(DetectorRow, backend) or DetectorRow(backend=backend)
-            row.statistic, row.cycles, row.alarm, row.updated_at = (
-                state.statistic,
-                state.cycles,
-                state.alarm,
-                utcnow(),
+    def fold_detector(
+        self, backend: str, step: Callable[[DetectorState], tuple[DetectorState | None, T]]
+    ) -> T:
+        """Advance the backend's e-CUSUM atomically: ``step`` maps the stored state to the next (None: keep
+        it) and a result, which this returns. Schedules sharing a backend run at once, and a lost update
+        could clear a raised alarm: one lock in this process, and the row locked for a fleet (PostgreSQL)."""
+        with self._detector_lock, self._session() as s:
+            fresh = DetectorState()
+            _insert_ignore(
+                s,
+                DetectorRow,
+                backend=backend,
+                statistic=fresh.statistic,
+                cycles=fresh.cycles,
+                alarm=fresh.alarm,
+                updated_at=utcnow(),
             )
-            s.add(row)
-            s.commit()
+            row = s.exec(select(DetectorRow).where(DetectorRow.backend == backend).with_for_update()).one()
+            new, result = step(DetectorState(row.statistic, row.cycles, row.alarm))
+            if new is not None:
+                row.statistic, row.cycles, row.alarm, row.updated_at = (
+                    new.statistic,
+                    new.cycles,
+                    new.alarm,
+                    utcnow(),
+                )
+                s.add(row)
+                s.commit()
+            return result
 
     @staticmethod
     def _reset_detector(s: Session, backend: str) -> None:
@@ -707,13 +730,20 @@ class Store:
     def prune(self, cutoff: datetime, *, dry_run: bool = False) -> dict[str, int]:
         """Delete observations started before ``cutoff``, then what only they used; counts per table.
 
-        Never deleted: current baselines, kept observations, and the baselines that any surviving
-        observation was judged against (its comparison names them). A dry run deletes inside a
-        transaction and rolls it back, so its counts are exactly what a real run would delete.
+        Never deleted: current baselines (a sampled canary's: every draw of its run, see `run_set`), kept
+        observations, and the baselines that any surviving observation was judged against (its comparison
+        names them). A dry run deletes inside a transaction and rolls it back, so its counts are exactly
+        what a real run would delete.
         """
+        base = aliased(ObservationRow)
+        baseline_sets = (
+            select(ObservationRow.id)
+            .join(base, (base.run_id == ObservationRow.run_id) & (base.canary_id == ObservationRow.canary_id))
+            .where(col(base.id).in_(select(BaselineRow.observation_id)))
+        )
         survives = or_(
             col(EventRow.started_at) >= cutoff,
-            col(EventRow.id).in_(select(BaselineRow.observation_id)),
+            col(EventRow.id).in_(baseline_sets),
             col(EventRow.id).in_(select(KeepRow.observation_id)),
         )
         judged_against = (
@@ -778,19 +808,6 @@ class Store:
         with self._session() as s:
             row = s.get(CalibrationRow, (backend, canary_id))
             return NoiseModel.from_dict(row.model) if row else None
-
-    def calibrations(self, backend: str | None = None) -> list[CalibrationRow]:
-        with self._session() as s:
-            q = select(CalibrationRow)
-            if backend:
-                q = q.where(CalibrationRow.backend == backend)
-            return list(s.exec(q.order_by(CalibrationRow.backend, CalibrationRow.canary_id)))
-
-    def detector(self, backend: str) -> DetectorState:
-        """The backend's e-CUSUM state (a fresh one before its first calibrated cycle)."""
-        with self._session() as s:
-            row = s.get(DetectorRow, backend)
-            return DetectorState(row.statistic, row.cycles, row.alarm) if row else DetectorState()
 
     def observations(
         self,

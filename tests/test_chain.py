@@ -9,6 +9,7 @@ same path against a real vLLM is tests/test_chain_e2e.py.
 from __future__ import annotations
 
 import json
+import random
 import threading
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -16,13 +17,17 @@ from pathlib import Path
 
 import pytest
 
+from canaryd.backends import make_backend
+from canaryd.calibrate import calibrate, probes
 from canaryd.canaries import load_suite, load_suites
 from canaryd.chain import first_divergence, mark_divergence, render, run_chain, step_canary
 from canaryd.compare import Comparison, Verdict
 from canaryd.config import load_config
 from canaryd.errors import InputError
 from canaryd.observation import ErrorKind, Observation
-from canaryd.probe import run_pass
+from canaryd.probe import plan, probe_all, run_pass
+from canaryd.stats import DetectorState
+from canaryd.store import Store
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -191,6 +196,9 @@ class Scripted:
     def __init__(self) -> None:
         self.answers: dict[str, str | int] = {"STEP1": "alpha", "STEP2": "beta", "STEP3": "yes", "PLAIN": "4"}
         self.bodies: list[dict] = []
+        self.jitter = 0.0  # σ of gaussian noise on every logprob (a noisy engine)
+        self.shift: dict[str, float] = {}  # marker → logprob offset (a silent change under one step)
+        rng = random.Random(3)
         scripted = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -203,9 +211,12 @@ class Scripted:
                 if isinstance(answer, int):
                     self._send(answer, {"error": {"message": "scripted failure"}})
                     return
+                lps = [
+                    -0.25 + scripted.shift.get(marker, 0.0) + rng.gauss(0, scripted.jitter) for _ in answer
+                ]
                 toks = [
-                    {"token": ch, "logprob": -0.25, "bytes": list(ch.encode()), "top_logprobs": []}
-                    for ch in answer
+                    {"token": ch, "logprob": lp, "bytes": list(ch.encode()), "top_logprobs": []}
+                    for ch, lp in zip(answer, lps, strict=True)
                 ]
                 choice: dict = {"index": 0, "finish_reason": "stop"}
                 if "messages" in body:
@@ -218,7 +229,7 @@ class Scripted:
                         "text": answer,
                         "logprobs": {
                             "tokens": list(answer),
-                            "token_logprobs": [-0.25] * len(answer),
+                            "token_logprobs": lps,
                             "top_logprobs": [{}] * len(answer),
                         },
                     }
@@ -366,3 +377,41 @@ def test_a_chained_canary_on_an_unreachable_backend_records_each_step_as_an_erro
     results = run_pass(load_config(tmp_path / "canaryd.toml"))
     assert [r.observation.canary_id for r in results] == ["plan:extract", "plan:map", "plan:answer", "plain"]
     assert {r.observation.error_kind for r in results} == {ErrorKind.CONNECT}
+
+
+def test_a_cycle_reports_the_stored_alarm_and_a_step_held_within_noise_is_not_the_first_diverged(
+    config, server
+):
+    server.jitter = 0.01
+    work = plan(config, load_suites([x.path for x in config.suites]))
+    store = Store(config.storage_url)
+    backend = make_backend(config.backend("api"))
+    try:
+        # a cycle with no calibrated canary leaves the stored detector as it is, and reports it
+        raised = DetectorState(50.0, 3, True)
+        store.fold_detector("api", lambda _: (raised, None))
+        (run,) = probe_all([backend], work, store, config)
+        assert run.detector == raised
+
+        canaries = work["api"]
+        saved = calibrate(backend, canaries, store, k=20, batch_sizes=[1])
+        assert {c.canary_id for c in saved if c.problem is None} == {*canaries[0].observed_ids(), "plain"}
+        assert store.fold_detector("api", lambda s: (None, s)) == DetectorState()  # calibrating restarts it
+        assert {c.model.k for c in saved} == {20}
+        # K is K, however it splits over the load levels (7, 7, 6 here)
+        assert [
+            len(v) for v in probes(backend, canaries[1], canaries, k=20, batch_sizes=[1, 2, 4]).values()
+        ] == [20]
+
+        server.shift["STEP1"] = 0.2  # 20σ under the first step only; the text does not move
+        (run,) = probe_all([backend], work, store, config)
+        got = by_id(run.results)
+        extract = got["plan:extract"].comparison
+        assert extract.evidence.out and extract.verdict is Verdict.NOISE
+        # one chain of 3 steps + 1 plain canary: 2 canaries, and no count of them is rare enough at K = 20
+        assert "1 of 2 calibrated canaries out (too few canaries to alarm in one cycle)" in extract.reasons[0]
+        assert got["plan:answer"].comparison.first_diverged_step is None
+        assert not run.detector.alarm and run.detector.cycles == 1
+    finally:
+        backend.close()
+        store.close()

@@ -262,9 +262,13 @@ def test_record_json_is_generated_from_the_store(tmp_path):
 def test_prune_keeps_baselines_and_kept_observations_and_deletes_the_rest_and_orphans(tmp_path):
     cfg = write_config(tmp_path, 9)
     store = Store(f"sqlite:///{db_path(cfg)}")
-    run = store.start_run("b")
     old = datetime.now(UTC) - timedelta(days=90)
-    base_id = add(store, run, obs(t=old))
+    base_id = add(store, store.start_run("b"), obs(t=old))
+    # a sampled canary's baseline is its run's set of draws (`Store.run_set`): all of them stay
+    draws_run = store.start_run("b")
+    draws = [add(store, draws_run, obs(canary="coin", t=old)) for _ in range(3)]
+    assert store.baseline("b", "coin")[0] == draws[0]
+    run = store.start_run("b")
     old_ids = [add(store, run, obs(t=old + timedelta(minutes=i))) for i in range(3)]  # identical, old
     drifted_old = add(
         store, run, obs(lp=-0.4, stack={**STACK, "vllm.version": "9"}, t=old)
@@ -282,15 +286,15 @@ def test_prune_keeps_baselines_and_kept_observations_and_deletes_the_rest_and_or
             for t in ("observation", "payload", "stack")
         }
 
-    assert counts() == {"observation": 7, "payload": 3, "stack": 2}
+    assert counts() == {"observation": 10, "payload": 3, "stack": 2}
     dry = canaryd(cfg, "prune", "--older-than", "30d", "--dry-run")
     assert dry.returncode == 0 and "would delete 4 observations" in dry.stdout, dry.stdout
-    assert counts()["observation"] == 7
+    assert counts()["observation"] == 10
     p = canaryd(cfg, "prune", "--older-than", "30d")
     assert p.returncode == 0 and "deleted 4 observations" in p.stdout and "1 payload, 1 stack" in p.stdout
     left = {r[0] for r in db.execute("select id from observation")}
-    assert left == {base_id, kept_id, recent} and not left & {*old_ids, drifted_old}
-    assert counts() == {"observation": 3, "payload": 2, "stack": 1}
+    assert left == {base_id, *draws, kept_id, recent} and not left & {*old_ids, drifted_old}
+    assert counts() == {"observation": 6, "payload": 2, "stack": 1}
     assert db.execute("pragma foreign_key_check").fetchall() == []
     assert canaryd(cfg, "prune", "--older-than", "soon").returncode == 2
 

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from sqlalchemy import create_engine
 from canaryd.compare import compare
 from canaryd.observation import ErrorKind, Observation, TokenLogprob
 from canaryd.record import export_line
+from canaryd.stats import DetectorState
 from canaryd.store import SCHEMA_REVISION, Store
 from tests.postgres import PostgresServer
 
@@ -217,3 +219,22 @@ def test_two_processes_write_one_database_concurrently(backend, pg, tmp_path):
     base_id = store.baseline("b", "c")[0]
     assert next(r for r in rows if r.id == base_id).verdict == "baseline"
     store.close()
+
+
+def test_detector_folds_never_lose_an_update_under_concurrent_schedules(url, pg):
+    """Schedules sharing a backend fold its e-CUSUM at once (threads of one daemon; on PostgreSQL also
+    another daemon of the fleet): every cycle counts and a raised alarm is never cleared."""
+    stores = [Store(url)] + ([Store(url, instance="other")] if url.startswith("postgresql") else [])
+
+    def bump(state: DetectorState) -> tuple[DetectorState, None]:
+        time.sleep(0.001)  # widen the read-modify-write window
+        return DetectorState(state.statistic * 1.01, state.cycles + 1, state.alarm or state.cycles == 7), None
+
+    with ThreadPoolExecutor(8) as ex:
+        list(ex.map(lambda i: stores[i % len(stores)].fold_detector("b", bump), range(80)))
+    final = stores[0].fold_detector("b", lambda s: (None, s))
+    assert final.cycles == 80 and final.alarm
+    assert final.statistic == pytest.approx(1.01**80)
+    assert stores[0].fold_detector("other", lambda s: (None, s)) == DetectorState()  # per backend
+    for s in stores:
+        s.close()

@@ -1,7 +1,7 @@
 """The noise model and the decision rules on synthetic noise with known answers (no server needed).
 
-The synthetic generator mimics batched GPU serving (detection.md §2.4): each canary has a few discrete
-numerical modes (offsets per coordinate) plus small iid jitter, and the mode mix moves with "load".
+The synthetic generator mimics batched GPU serving (docs/detection-research.md §2.4): each canary has a few
+discrete numerical modes (offsets per coordinate) plus small iid jitter, and the mode mix moves with "load".
 """
 
 import json
@@ -212,6 +212,16 @@ def test_compare_with_noise_model_gives_evidence_and_noise_verdicts():
     assert "beyond the calibrated noise" in shifted.reasons[0]
     d = shifted.as_dict()["evidence"]
     assert d["out"] and d["p_value"] == pytest.approx(1 / 31) and d["method"] == "conformal-nn"
+
+
+def test_a_stack_change_under_a_probe_within_noise_is_still_a_stack_change():
+    src = Modal(22)
+    model = fit([src.draw() for _ in range(30)])
+    base, now = src.draw(), src.draw()
+    base.stack, now.stack = {"vllm.version": "0.32.0"}, {"vllm.version": "0.33.0"}
+    c = compare(base, now, correct=None, noise=model)
+    assert not c.evidence.out and c.verdict is Verdict.STACK_CHANGE
+    assert [(f.field, f.before, f.after) for f in c.stack_changes] == [("vllm.version", "0.32.0", "0.33.0")]
 
 
 def test_compare_ignores_a_noise_model_of_an_older_request():
