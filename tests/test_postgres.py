@@ -80,10 +80,12 @@ def test_round_trip_is_lossless_deduplicated_and_baselines_work(url):
     assert base.stack == o.stack and base.headers == o.headers and base.request == o.request
     assert base.started_at == o.started_at and base.started_at.utcoffset() == timedelta(0)
     assert base.latency_s == o.latency_s
-    for _ in range(5):
-        add(store, run, make_obs())
+    store.finish_run(run, 1)
+    for _ in range(5):  # a pass is a run: one observation of a plain canary each
+        add(store, store.start_run("b"), make_obs())
+    run = store.start_run("b")
     drifted = add(store, run, make_obs(lp=-0.2, stack={"vllm.version": "0.33.0"}))
-    store.finish_run(run, 7)
+    store.finish_run(run, 1)
     assert counts(url, "observation", "event", "outcome", "payload", "stack", "request") == {
         "observation": 7,
         "event": 7,
@@ -106,10 +108,10 @@ def test_round_trip_is_lossless_deduplicated_and_baselines_work(url):
     # An error is never a baseline; accept takes the latest success; a changed request re-baselines.
     bad = Observation("b", "c", "s", datetime(2026, 1, 2, tzinfo=UTC), {}, "")
     bad.error, bad.error_kind = "down", ErrorKind.CONNECT
-    add(store, run, bad, correct=None)
+    add(store, store.start_run("b"), bad, correct=None)
     assert store.accept_latest() == [("b", "c", drifted)]
     assert store.baseline("b", "c")[0] == drifted
-    rebased = add(store, run, make_obs(request_hash="r2"))
+    rebased = add(store, store.start_run("b"), make_obs(request_hash="r2"))
     assert store.baseline("b", "c")[0] == rebased
     store.keep([first, first, drifted], "pin")
     store.keep([first], "pin")  # idempotent
@@ -122,8 +124,11 @@ def test_round_trip_is_lossless_deduplicated_and_baselines_work(url):
 def test_cli_on_postgres_history_export_accept_and_prune(pg, tmp_path):
     url = pg.create_database("cli")
     store = Store(url, instance="eu-1")
-    run = store.start_run("b")
-    ids = [add(store, run, make_obs(t=datetime.now(UTC) - timedelta(days=d))) for d in (40, 39, 1)]
+    runs = [store.start_run("b") for _ in range(3)]  # a pass each: one observation of the canary per run
+    ids = [
+        add(store, r, make_obs(t=datetime.now(UTC) - timedelta(days=d)))
+        for r, d in zip(runs, (40, 39, 1), strict=True)
+    ]
     store.close()
     cfg = tmp_path / "canaryd.toml"
     (tmp_path / "suite.toml").write_text('[suite]\nname = "t"\n[[canary]]\nid = "c"\nprompt = "x"\n')
@@ -145,8 +150,10 @@ def test_cli_on_postgres_history_export_accept_and_prune(pg, tmp_path):
     history = canaryd("history", "--json")
     assert history.returncode == 0, history.stderr
     assert [(r["id"], r["instance"]) for r in json.loads(history.stdout)] == [(i, "eu-1") for i in ids[::-1]]
-    export = canaryd("export", "--run", str(run))
-    assert [json.loads(line)["instance"] for line in export.stdout.splitlines()] == ["eu-1"] * 3
+    export = canaryd("export", "--run", str(runs[1]))
+    assert [
+        (json.loads(line)["id"], json.loads(line)["instance"]) for line in export.stdout.splitlines()
+    ] == [(ids[1], "eu-1")]
     accept = canaryd("baseline", "accept")
     assert accept.returncode == 0 and f"baseline is now observation {ids[2]}" in accept.stdout
     prune = canaryd("prune", "--older-than", "30d")  # the 39-day-old one (the 40-day one judged the rest)
