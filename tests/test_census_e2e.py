@@ -6,15 +6,11 @@ deliberately nondeterministic source, and the census must say so.
 """
 
 import json
-import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from canaryd.vllm_process import VLLMServer, free_port
+from tests.lab import Lab
 
 pytestmark = pytest.mark.vllm
 
@@ -44,38 +40,19 @@ timeout_s = 60
 """
 
 
-class Lab:
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.port = free_port()
-        (root / "suite.toml").write_text(SUITE)
-        (root / "canaryd.toml").write_text(CONFIG.format(port=self.port))
-
-    def cli(self, *args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, "-m", "canaryd", "-c", str(self.root / "canaryd.toml"), "census", *args],
-            capture_output=True,
-            text=True,
-            env=dict(os.environ),
-            timeout=600,
-        )
-
-
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory) -> Lab:
-    return Lab(tmp_path_factory.mktemp("census"))
+    return Lab(tmp_path_factory.mktemp("census"), SUITE, CONFIG)
 
 
 @pytest.fixture(scope="module")
 def served(lab, tiny_model):
-    with VLLMServer(
-        tiny_model, port=lab.port, extra_args=["--enforce-eager"], log_path=lab.root / "vllm.log"
-    ) as server:
+    with lab.serve(tiny_model) as server:
         yield server
 
 
 def test_bad_batch_sizes_exit_2_with_one_line(lab):
-    p = lab.cli("--batch-sizes", "1,0,8")
+    p = lab.cli("census", "--batch-sizes", "1,0,8")
     assert p.returncode == 2
     assert p.stderr.strip().splitlines() == [
         "canaryd: error: --batch-sizes: '0' is not an integer from 1 to 256 (e.g. --batch-sizes 1,8,32)"
@@ -83,7 +60,7 @@ def test_bad_batch_sizes_exit_2_with_one_line(lab):
 
 
 def test_unreachable_backend_exits_3(lab):
-    p = lab.cli("--json", "-n", "1", "--batch-sizes", "1")
+    p = lab.cli("census", "--json", "-n", "1", "--batch-sizes", "1")
     assert p.returncode == 3, p.stderr
     assert "backend 'local' unreachable" in p.stderr and "Traceback" not in p.stderr
     doc = json.loads(p.stdout)
@@ -94,6 +71,7 @@ def test_greedy_canary_is_one_completion_deterministic_and_batch_invariant(lab, 
     report = lab.root / "greedy.json"
     t0 = time.monotonic()
     p = lab.cli(
+        "census",
         "--json",
         "--strict",
         "--canary",
@@ -127,7 +105,7 @@ def test_greedy_canary_is_one_completion_deterministic_and_batch_invariant(lab, 
 
 
 def test_sampled_decoding_without_a_seed_is_reported_nondeterministic(lab, served):
-    p = lab.cli("--json", "--strict", "--canary", "sampled", "-n", "8", "--batch-sizes", "1,4")
+    p = lab.cli("census", "--json", "--strict", "--canary", "sampled", "-n", "8", "--batch-sizes", "1,4")
     assert p.returncode == 1, p.stderr
     (census,) = json.loads(p.stdout)["censuses"]
     print(f"\nsampled: {census['verdict']}")
@@ -141,7 +119,7 @@ def test_sampled_decoding_without_a_seed_is_reported_nondeterministic(lab, serve
 
 
 def test_the_table_has_a_row_per_batch_size_and_a_verdict_per_canary(lab, served):
-    p = lab.cli("-n", "3", "--batch-sizes", "1,2")
+    p = lab.cli("census", "-n", "3", "--batch-sizes", "1,2")
     assert p.returncode == 0, p.stderr  # a report: nondeterminism fails only with --strict
     out = p.stdout
     for col in ("backend", "canary", "batch", "ok/n", "completions", "signatures", "modal", "1st div"):

@@ -7,16 +7,12 @@ although each later step's rendered prompt changed), the check names the step th
 different one (exit 1). Two server starts in all.
 """
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from canaryd.vllm_process import VLLMServer, free_port
 from tests.conftest import CACHE
+from tests.lab import Lab
 
 pytestmark = pytest.mark.vllm
 
@@ -58,44 +54,26 @@ STEPS = ["plan:extract", "plan:map", "plan:answer"]
 DRIFT = {"regression", "answer-drift", "logprob-drift"}
 
 
-class Lab:
+class ChainLab(Lab):
+    """Keeps the run id of every check, for `canaryd diff`."""
+
     def __init__(self, root: Path) -> None:
-        self.root = root
-        self.port = free_port()
-        (root / "suite.toml").write_text(SUITE)
-        (root / "canaryd.toml").write_text(CONFIG.format(port=self.port))
+        super().__init__(root, SUITE, CONFIG)
         self.runs: list[int] = []
 
-    def serve(self, model: Path) -> VLLMServer:
-        return VLLMServer(
-            model, port=self.port, extra_args=["--enforce-eager"], log_path=self.root / f"{model.name}.log"
-        )
-
-    def cli(self, *args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, "-m", "canaryd", "-c", str(self.root / "canaryd.toml"), *args],
-            capture_output=True,
-            text=True,
-            env=dict(os.environ),
-            timeout=600,
-        )
-
     def check(self) -> tuple[int, dict[str, dict]]:
-        p = self.cli("check", "--json")
-        assert "Traceback" not in p.stderr, p.stderr
-        results = json.loads(p.stdout)["results"]
-        self.runs.append(results[0]["run_id"])
-        return p.returncode, {r["canary"]: r for r in results}
+        code, doc = self.json("check")
+        self.runs.append(doc["results"][0]["run_id"])
+        return code, {r["canary"]: r for r in doc["results"]}
 
     def diff(self, a: int, b: int) -> tuple[int, dict]:
-        p = self.cli("diff", str(a), str(b), "--json")
-        assert "Traceback" not in p.stderr, p.stderr
-        return p.returncode, json.loads(p.stdout)["pairs"][0]
+        code, doc = self.json("diff", str(a), str(b))
+        return code, doc["pairs"][0]
 
 
 @pytest.fixture(scope="module")
-def lab(tmp_path_factory) -> Lab:
-    return Lab(tmp_path_factory.mktemp("chain-e2e"))
+def lab(tmp_path_factory) -> ChainLab:
+    return ChainLab(tmp_path_factory.mktemp("chain-e2e"))
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +85,7 @@ def noisy_model(tiny_model: Path) -> Path:
 
 
 def test_two_unchanged_runs_of_a_plan_diff_to_nothing(lab, tiny_model):
-    with lab.serve(tiny_model):
+    with lab.serve(tiny_model, link=False):
         code, first = lab.check()
         assert code == 0 and list(first) == [*STEPS, "plain"]
         assert {r["verdict"] for r in first.values()} == {"baseline"}
@@ -128,7 +106,7 @@ def test_two_unchanged_runs_of_a_plan_diff_to_nothing(lab, tiny_model):
 
 
 def test_perturbed_weights_change_steps_and_the_diff_and_check_say_which(lab, noisy_model):
-    with lab.serve(noisy_model):
+    with lab.serve(noisy_model, link=False):
         code, moved = lab.check()
     assert code == 1
     verdicts = {c: r["verdict"] for c, r in moved.items()}

@@ -6,15 +6,12 @@ the dtype, an int8 round trip of the weights, and a weight perturbation too smal
 """
 
 import json
-import os
 import sqlite3
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from canaryd.vllm_process import VLLMServer, free_port
+from tests.lab import Lab
 
 pytestmark = pytest.mark.vllm
 
@@ -55,43 +52,15 @@ timeout_s = 30
 DRIFT = {"logprob-drift", "answer-drift", "regression"}
 
 
-class Lab:
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.port = free_port()
-        (root / "suite.toml").write_text(SUITE)
-        (root / "canaryd.toml").write_text(CONFIG.format(port=self.port))
-        self.serving = root / "serving"  # a symlink, so swapped weights keep the same served path
-
-    def serve(self, model: Path, dtype: str = "float32") -> VLLMServer:
-        self.serving.unlink(missing_ok=True)
-        self.serving.symlink_to(model)
-        return VLLMServer(
-            self.serving,
-            port=self.port,
-            dtype=dtype,
-            extra_args=["--enforce-eager"],
-            log_path=self.root / f"vllm-{model.name}-{dtype}.log",
-        )
-
-    def cli(self, *args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, "-m", "canaryd", "-c", str(self.root / "canaryd.toml"), *args],
-            capture_output=True,
-            text=True,
-            env=dict(os.environ),
-            timeout=600,
-        )
-
+class DetectLab(Lab):
     def check(self) -> tuple[int, list[dict]]:
-        p = self.cli("check", "--json")
-        assert "Traceback" not in p.stderr, p.stderr
-        return p.returncode, json.loads(p.stdout)["results"]
+        code, doc = self.json("check")
+        return code, doc["results"]
 
 
 @pytest.fixture(scope="module")
-def lab(tmp_path_factory) -> Lab:
-    return Lab(tmp_path_factory.mktemp("detect"))
+def lab(tmp_path_factory) -> DetectLab:
+    return DetectLab(tmp_path_factory.mktemp("detect"), SUITE, CONFIG)
 
 
 @pytest.fixture(scope="module")

@@ -9,17 +9,14 @@ Two server starts in all.
 """
 
 import json
-import os
 import sqlite3
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from canaryd.tinymodel import build_tiny_model, perturb_weights
-from canaryd.vllm_process import VLLMServer, free_port
 from tests.conftest import CACHE
+from tests.lab import Lab
 
 pytestmark = pytest.mark.vllm
 COIN = [{"role": "user", "content": "Flip a coin."}]
@@ -56,33 +53,6 @@ alpha = 0.001
 """
 
 
-class Lab:
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.port = free_port()
-        (root / "suite.toml").write_text(SUITE)
-        (root / "canaryd.toml").write_text(CONFIG.format(port=self.port))
-        self.serving = root / "serving"  # a symlink, so swapped weights keep the same served path
-
-    def serve(self, model: Path) -> VLLMServer:
-        self.serving.unlink(missing_ok=True)
-        self.serving.symlink_to(model)
-        return VLLMServer(
-            self.serving, port=self.port, extra_args=["--enforce-eager"], log_path=self.root / "vllm.log"
-        )
-
-    def run(self, command: str) -> tuple[int, dict]:
-        p = subprocess.run(
-            [sys.executable, "-m", "canaryd", "-c", str(self.root / "canaryd.toml"), command, "--json"],
-            capture_output=True,
-            text=True,
-            env=os.environ,
-            timeout=600,
-        )
-        assert "Traceback" not in p.stderr, p.stderr
-        return p.returncode, json.loads(p.stdout)
-
-
 def by_canary(report: dict) -> dict[str, list[dict]]:
     out: dict[str, list[dict]] = {}
     for r in report["results"]:
@@ -105,12 +75,12 @@ def coin() -> Path:
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory) -> Lab:
-    return Lab(tmp_path_factory.mktemp("sampled"))
+    return Lab(tmp_path_factory.mktemp("sampled"), SUITE, CONFIG)
 
 
 def test_baseline_sets_then_pinned_seeds_identical_and_unpinned_within_noise(lab, coin):
     with lab.serve(coin):
-        code, report = lab.run("probe")
+        code, report = lab.json("probe")
         assert code == 0, report
         sets = by_canary(report)
         assert {c: len(rs) for c, rs in sets.items()} == {"coin-pinned": 30, "coin-free": 30}
@@ -127,7 +97,7 @@ def test_baseline_sets_then_pinned_seeds_identical_and_unpinned_within_noise(lab
 
         free = []
         for _ in range(4):  # pinned: the same draws again; unpinned: other draws, never a drift verdict
-            code, report = lab.run("check")
+            code, report = lab.json("check")
             assert code == 0, report
             sets = by_canary(report)
             assert verdict(sets["coin-pinned"]) == "identical"
@@ -147,7 +117,7 @@ def test_baseline_sets_then_pinned_seeds_identical_and_unpinned_within_noise(lab
 def test_noisy_weights_are_drift_with_intervals_and_p_values(lab, coin):
     noisy = perturb_weights(coin, CACHE / "coin-3-to-1-noise0.5", mode="noise", scale=0.5, seed=0)
     with lab.serve(noisy):
-        code, report = lab.run("check")
+        code, report = lab.json("check")
     assert code == 1, report
     for canary, results in by_canary(report).items():
         assert verdict(results) in ("answer-drift", "logprob-drift", "regression"), (canary, results[0])

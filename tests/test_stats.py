@@ -236,11 +236,11 @@ def test_compare_ignores_a_noise_model_of_an_older_request():
     assert any("older request" in r for r in c.reasons)
 
 
-def test_decide_holds_a_lone_modal_outlier_and_alarms_when_enough_canaries_move():
-    sources = [Modal(30 + i) for i in range(4)]
+def calibrated_fleet(seed: int, n: int):
+    """n modal canaries calibrated with K = 30, and a function drawing one cycle with per-canary shifts."""
+    sources = [Modal(seed + i) for i in range(n)]
     models = [fit([s.draw() for _ in range(30)]) for s in sources]
     bases = [s.draw() for s in sources]
-    ids = [f"c{i}" for i in range(4)]
 
     def cycle(shift: list[float]):
         return [
@@ -248,6 +248,11 @@ def test_decide_holds_a_lone_modal_outlier_and_alarms_when_enough_canaries_move(
             for b, s, m, x in zip(bases, sources, models, shift, strict=True)
         ]
 
+    return [f"c{i}" for i in range(n)], cycle
+
+
+def test_decide_holds_a_lone_modal_outlier_and_alarms_when_enough_canaries_move():
+    ids, cycle = calibrated_fleet(30, 4)
     lone = decide(ids, cycle([0.05, 0, 0, 0]), DetectorState(), arl=1e4, min_out=2)
     assert lone.out == ("c0",) and not lone.state.alarm
     assert lone.comparisons[0].verdict is Verdict.NOISE and "out alone" in lone.comparisons[0].reasons[0]
@@ -269,17 +274,7 @@ def test_min_out_for_takes_the_fewest_outs_that_chance_explains_once_in_arl_cycl
 
 
 def test_decide_derives_min_out_from_arl_when_unset():
-    sources = [Modal(40 + i) for i in range(4)]
-    models = [fit([s.draw() for _ in range(30)]) for s in sources]
-    bases = [s.draw() for s in sources]
-    ids = [f"c{i}" for i in range(4)]
-
-    def cycle(shift: list[float]):
-        return [
-            compare(b, s.draw(shift=x), correct=None, noise=m)
-            for b, s, m, x in zip(bases, sources, models, shift, strict=True)
-        ]
-
+    ids, cycle = calibrated_fleet(40, 4)
     three = decide(ids, cycle([0.05, 0.05, 0.05, 0]), DetectorState(), arl=1e4)
     assert len(three.out) == 3 and not three.state.alarm
     assert "alarm needs 4" in three.comparisons[0].reasons[0]

@@ -6,15 +6,14 @@ Each server start costs about 40 s, so the module keeps to four.
 """
 
 import json
-import os
 import sqlite3
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from canaryd.vllm_process import VLLMServer, free_port
+from canaryd.vllm_process import VLLMServer
+from tests.lab import Lab
 
 pytestmark = pytest.mark.vllm
 KEY = "sk-canaryd-e2e-4f1c9b2a77"  # recognisable, so the test can prove it is stored nowhere
@@ -61,40 +60,20 @@ timeout_s = 30
 """
 
 
-class Lab:
+class KeyedLab(Lab):
+    """The backends authenticate with KEY (from the environment), unless a test passes another key."""
+
     def __init__(self, root: Path) -> None:
-        self.root = root
-        self.port = free_port()
-        (root / "suite.toml").write_text(SUITE)
-        (root / "canaryd.toml").write_text(CONFIG.format(port=self.port))
-        self.serving = root / "serving"  # a symlink, so swapped weights keep the same served path
+        super().__init__(root, SUITE, CONFIG, env={"CANARYD_E2E_KEY": KEY})
 
     def serve(self, model: Path, dtype: str = "float32") -> VLLMServer:
-        self.serving.unlink(missing_ok=True)
-        self.serving.symlink_to(model)
-        return VLLMServer(
-            self.serving,
-            port=self.port,
-            dtype=dtype,
-            api_key=KEY,
-            extra_args=["--enforce-eager"],  # skips the torch.compile warm-up: ~35 s a start instead of ~50
-            log_path=self.root / f"vllm-{dtype}.log",
-        )
+        return super().serve(model, dtype, api_key=KEY)
 
     def cli(self, *args: str, key: str = KEY) -> subprocess.CompletedProcess:
-        env = {**os.environ, "CANARYD_E2E_KEY": key}
-        return subprocess.run(
-            [sys.executable, "-m", "canaryd", "-c", str(self.root / "canaryd.toml"), *args],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=600,
-        )
+        return super().cli(*args, env={"CANARYD_E2E_KEY": key})
 
     def check(self, *args: str) -> tuple[int, dict]:
-        p = self.cli("check", "--json", *args)
-        assert "Traceback" not in p.stderr, p.stderr
-        return p.returncode, json.loads(p.stdout)
+        return self.json("check", *args)
 
     def db(self) -> sqlite3.Connection:
         return sqlite3.connect(self.root / "state" / "canaryd.db")
@@ -105,8 +84,8 @@ def verdicts(report: dict, backend: str | None = None) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def lab(tmp_path_factory) -> Lab:
-    return Lab(tmp_path_factory.mktemp("e2e"))
+def lab(tmp_path_factory) -> KeyedLab:
+    return KeyedLab(tmp_path_factory.mktemp("e2e"))
 
 
 def test_server_down_exits_3_and_records_errors_not_baselines(lab):
