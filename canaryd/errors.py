@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from pydantic import ValidationError
 
 
@@ -12,7 +14,17 @@ class InputError(Exception):
 def describe_validation_error(err: ValidationError) -> str:
     """Pydantic's first error as ``field.path: message`` on one line."""
     first = err.errors()[0]
-    loc = ".".join(f"[{p}]" if isinstance(p, int) else str(p) for p in first["loc"]).replace(".[", "[")
-    msg = first["msg"].removeprefix("Value error, ")
+    loc = ".".join(_loc_part(p) for p in first["loc"]).replace(".[", "[")
+    msg = " ".join(first["msg"].removeprefix("Value error, ").splitlines())
     extra = f" (and {err.error_count() - 1} more)" if err.error_count() > 1 else ""
     return f"{loc or '(top level)'}: {msg}{extra}"
+
+
+def _loc_part(part: str | int) -> str:
+    """A path element as the user would write it: an index in brackets, an odd key (a dot, a control
+    character, empty) quoted as a TOML basic string, so the message stays one unambiguous line."""
+    if isinstance(part, int):
+        return f"[{part}]"
+    if part and part.isprintable() and "." not in part and '"' not in part:
+        return part
+    return json.dumps(part)

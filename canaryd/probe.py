@@ -42,7 +42,7 @@ class BackendRun:
     kind: str
     run_id: int
     results: list[Result]
-    stack: dict[str, str]
+    stack: dict[str, str]  # empty when the backend was down or no probe answered
     unavailable: BackendUnavailable | None = None
     detector: DetectorState | None = None  # the backend's e-CUSUM after this run (as stored)
 
@@ -167,11 +167,10 @@ def probe_backend(backend: Backend, canaries: Sequence[Canary], store: Store, co
         results.append(Result(obs_id, run_id, obs, comparison))
     store.finish_run(run_id, len(canaries))
     # The run's stack: the snapshot plus every response-level value seen (a fleet may show several).
-    run_stack = (
-        merge_stacks([stack, *(r.observation.stack for r in results if r.observation.ok)])
-        if failure is None
-        else {}
-    )
+    # A run where no probe answered has none: a server going down mid-pass answers the snapshot but not
+    # the canaries, and that half-stack (no response.* fields) would count as a change, its return as another.
+    answered = [r.observation.stack for r in results if r.observation.ok]
+    run_stack = merge_stacks([stack, *answered]) if failure is None and answered else {}
     return BackendRun(backend.name, backend.kind, run_id, results, run_stack, failure, decision.state)
 
 

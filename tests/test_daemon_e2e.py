@@ -222,7 +222,11 @@ def test_dtype_change_delivers_an_alert(stack):
     ready = stack.serve("bfloat16")
     arrived = wait_for(
         "a drift alert at the webhook",
-        lambda: [(t, a) for t, a in stack.receiver.firing() if a["labels"]["alertname"] in DRIFT_ALERTS],
+        lambda: [
+            (t, a)
+            for t, a in stack.receiver.firing()
+            if t > ready and a["labels"]["alertname"] in DRIFT_ALERTS  # this change's, not an earlier one
+        ],
         300,
         every=1,
     )

@@ -14,7 +14,10 @@ from canaryd.backends import make_backend
 from canaryd.breaker import CircuitBreaker, RetryPolicy
 from canaryd.canaries import load_suite
 from canaryd.config import load_config
+from canaryd.metrics import Metrics
 from canaryd.observation import ErrorKind
+from canaryd.probe import plan, probe_backend
+from canaryd.store import Store
 from canaryd.vllm_process import VLLMServer
 from tests.faultproxy import FaultProxy
 
@@ -155,3 +158,30 @@ def test_the_circuit_breaker_stops_hammering_a_failing_backend(lab):
     finally:
         backend.close()
         lab.proxy.mode = "pass"
+
+
+def test_a_server_failing_after_the_snapshot_is_not_a_stack_change(lab):
+    """A restart can land between a pass's snapshot and its canaries: introspection answers, every probe
+    fails. That pass has no stack of its own, so neither it nor the next good pass counts as a change."""
+    config = load_config(lab.root / "canaryd.toml")
+    work = plan(config, [load_suite(lab.root / "suite.toml")])["local"]
+    metrics, store = Metrics(), Store(config.storage_url)
+    changes = []
+    try:
+        for mode in ("pass", "503", "pass"):
+            lab.proxy.mode = mode
+            backend = make_backend(config.backend("local"))  # a fresh breaker each pass
+            try:
+                run = probe_backend(backend, work, store, config)
+            finally:
+                backend.close()
+            assert run.unavailable is None and all(r.observation.ok == (mode == "pass") for r in run.results)
+            assert bool(run.stack) == (mode == "pass")
+            metrics.record(run)
+            changes.append(
+                metrics.registry.get_sample_value("canaryd_backend_stack_changes_total", {"backend": "local"})
+            )
+    finally:
+        store.close()
+        lab.proxy.mode = "pass"
+    assert changes == [0, 0, 0]

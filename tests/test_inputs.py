@@ -216,6 +216,8 @@ BAD_CONFIGS = [
         "suites=['s']\n[compare]\nlogprob_tolerance=-1\n" + BACKEND,
         "compare.logprob_tolerance",
     ),
+    ("odd key stays one line", "suites=['s']\n[daemon]\n\"a\\nb\" = 1\n" + BACKEND, 'daemon."a\\nb": Extra'),
+    ("dotted key is quoted", "suites=['s']\n[daemon]\n\"x.y\" = 1\n" + BACKEND, 'daemon."x.y": Extra'),
 ]
 
 
