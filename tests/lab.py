@@ -11,11 +11,25 @@ from pathlib import Path
 
 from canaryd.vllm_process import VLLMServer, free_port
 
+# One vLLM backend named "local" on the lab's port: the config the suites need when they need nothing else.
+LOCAL_CONFIG = """
+state_dir = "state"
+suites = ["suite.toml"]
+[[backends]]
+name = "local"
+kind = "vllm"
+base_url = "http://127.0.0.1:{port}/v1"
+model = "tiny"
+timeout_s = 60
+"""
+
 
 class Lab:
     """``config`` may name ``{port}``: the port `serve` starts vLLM on."""
 
-    def __init__(self, root: Path, suite: str, config: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, root: Path, suite: str, config: str = LOCAL_CONFIG, env: dict[str, str] | None = None
+    ) -> None:
         self.root = root
         self.port = free_port()
         self.env = env or {}

@@ -28,21 +28,10 @@ messages = [{ role = "user", content = "Count from 1 to 10." }]
 decoding = { temperature = 1.0, seed = "none" }
 """
 
-CONFIG = """
-state_dir = "state"
-suites = ["suite.toml"]
-[[backends]]
-name = "local"
-kind = "vllm"
-base_url = "http://127.0.0.1:{port}/v1"
-model = "tiny"
-timeout_s = 60
-"""
-
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory) -> Lab:
-    return Lab(tmp_path_factory.mktemp("census"), SUITE, CONFIG)
+    return Lab(tmp_path_factory.mktemp("census"), SUITE)
 
 
 @pytest.fixture(scope="module")

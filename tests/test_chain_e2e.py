@@ -39,17 +39,6 @@ id = "plain"
 messages = [{ role = "user", content = "What is 17 + 25? Answer with the number only." }]
 """
 
-CONFIG = """
-state_dir = "state"
-suites = ["suite.toml"]
-[[backends]]
-name = "local"
-kind = "vllm"
-base_url = "http://127.0.0.1:{port}/v1"
-model = "tiny"
-timeout_s = 60
-"""
-
 STEPS = ["plan:extract", "plan:map", "plan:answer"]
 DRIFT = {"regression", "answer-drift", "logprob-drift"}
 
@@ -58,7 +47,7 @@ class ChainLab(Lab):
     """Keeps the run id of every check, for `canaryd diff`."""
 
     def __init__(self, root: Path) -> None:
-        super().__init__(root, SUITE, CONFIG)
+        super().__init__(root, SUITE)
         self.runs: list[int] = []
 
     def check(self) -> tuple[int, dict[str, dict]]:
