@@ -696,7 +696,9 @@ class Store:
     ) -> T:
         """Advance the backend's e-CUSUM atomically: ``step`` maps the stored state to the next (None: keep
         it) and a result, which this returns. Schedules sharing a backend run at once, and a lost update
-        could clear a raised alarm: one lock in this process, and the row locked for a fleet (PostgreSQL)."""
+        could clear a raised alarm: one lock in this process and, for a fleet, the database's: the row on
+        PostgreSQL (``FOR UPDATE``), the write lock SQLite takes at the transaction's first statement (an
+        insert, so no read ever upgrades to a write)."""
         with self._detector_lock, self._session() as s:
             fresh = DetectorState()
             _insert_ignore(

@@ -229,9 +229,10 @@ def test_two_processes_write_one_database_concurrently(backend, pg, tmp_path):
 
 
 def test_detector_folds_never_lose_an_update_under_concurrent_schedules(url, pg):
-    """Schedules sharing a backend fold its e-CUSUM at once (threads of one daemon; on PostgreSQL also
-    another daemon of the fleet): every cycle counts and a raised alarm is never cleared."""
-    stores = [Store(url)] + ([Store(url, instance="other")] if url.startswith("postgresql") else [])
+    """Schedules sharing a backend fold its e-CUSUM at once (threads of one daemon, and a second store
+    standing for another daemon on the same database): every cycle counts and a raised alarm is never
+    cleared. A read-then-write fold fails this on SQLite too (a lost update or a duplicate insert)."""
+    stores = [Store(url), Store(url, instance="other")]
 
     def bump(state: DetectorState) -> tuple[DetectorState, None]:
         time.sleep(0.001)  # widen the read-modify-write window
