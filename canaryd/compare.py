@@ -269,7 +269,8 @@ def decide(
     any step is out, its chance of that bounded by the sum of its steps' (a union bound), its e-value the
     mean of theirs. ``min_out`` None: derived from ``arl`` (`min_out_for`). Only ``conformal-nn`` drift is
     held back as ``within-noise``; an exact-regime change and a sampled canary's two-sample test (already
-    at its own alpha) stand as they are.
+    at its own alpha) stand as they are. An exact-regime canary raises the alarm when it moves in two
+    consecutive cycles with evidence (``state.pending`` carries the first), so one blip cannot latch it.
     """
     steps: dict[str, dict[str, Evidence]] = {}
     for cid, c in zip(canary_ids, comparisons, strict=True):
@@ -280,16 +281,19 @@ def decide(
     e = cycle_evalue([cycle_evalue([ev.e_value for ev in s.values()]) for s in steps.values()])  # type: ignore[misc]
     m = cusum(state.statistic, e)
     out = tuple(q for q, s in steps.items() if any(ev.out for ev in s.values()))
-    exact_out = any(ev.out and ev.method == "exact" for s in steps.values() for ev in s.values())
+    exact = tuple(q for q, s in steps.items() if any(ev.out and ev.method == "exact" for ev in s.values()))
+    confirmed = set(exact) & set(state.pending)
     if min_out is None:
         bounds = [min(1.0, sum(out_bound(ev) for ev in s.values())) for s in steps.values()]
         min_out = min_out_for(bounds, arl)
     fast = min_out is not None and len(out) >= min_out
-    alarm = state.alarm or exact_out or m >= arl or fast
-    new_state = DetectorState(m, state.cycles + 1, alarm)
+    alarm = state.alarm or bool(confirmed) or m >= arl or fast
+    new_state = DetectorState(m, state.cycles + 1, alarm, exact)
     settled = []
     for c in comparisons:
         ev = c.evidence
+        if ev is not None and ev.out and ev.method == "exact" and not alarm:
+            c = replace(c, reasons=(*c.reasons, "exact regime: the alarm needs it to move again next cycle"))
         if ev is not None and ev.out and ev.method == "conformal-nn" and c.verdict.is_drift and not alarm:
             needs = (
                 f"alarm needs {min_out}" if min_out is not None else "too few canaries to alarm in one cycle"

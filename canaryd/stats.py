@@ -44,7 +44,11 @@ sum of the steps' bounds, and the mean of their e-values. A sampled canary's two
 its own alpha and is never held back.
 
 In the EXACT regime every out canary is a drift verdict at once, and the detector still runs (so the
-alarm series means the same on every backend).
+alarm series means the same on every backend). The alarm there waits for the same canary to move in two
+consecutive cycles (or for ``m`` at once): a zero noise floor is a claim made from K probes, and an engine
+bit-identical over K can still blip once (a kernel path K never hit); a changed stack keeps moving. The
+verdict does not wait, so a one-cycle blip is on record and the drift alerts (``for: 1m``) see it, but it
+cannot latch the alarm that only recalibration clears.
 """
 
 from __future__ import annotations
@@ -327,6 +331,7 @@ class DetectorState:
     statistic: float = 1.0
     cycles: int = 0
     alarm: bool = False
+    pending: tuple[str, ...] = ()  # exact-regime canaries that moved last cycle: moving again is the alarm
 
 
 def out_bound(ev: Evidence) -> float:

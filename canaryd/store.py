@@ -224,6 +224,7 @@ class DetectorRow(SQLModel, table=True):
     statistic: float
     cycles: int
     alarm: bool
+    pending: list = Field(sa_column=Column(JSON, nullable=False))
     updated_at: datetime
 
 
@@ -708,15 +709,17 @@ class Store:
                 statistic=fresh.statistic,
                 cycles=fresh.cycles,
                 alarm=fresh.alarm,
+                pending=list(fresh.pending),
                 updated_at=utcnow(),
             )
             row = s.exec(select(DetectorRow).where(DetectorRow.backend == backend).with_for_update()).one()
-            new, result = step(DetectorState(row.statistic, row.cycles, row.alarm))
+            new, result = step(DetectorState(row.statistic, row.cycles, row.alarm, tuple(row.pending)))
             if new is not None:
-                row.statistic, row.cycles, row.alarm, row.updated_at = (
+                row.statistic, row.cycles, row.alarm, row.pending, row.updated_at = (
                     new.statistic,
                     new.cycles,
                     new.alarm,
+                    list(new.pending),
                     utcnow(),
                 )
                 s.add(row)

@@ -145,6 +145,14 @@ class Stack:
     def metric(self, expr: str) -> list[dict]:
         return query(self.prom_url, expr)
 
+    def moved(self) -> list[tuple]:
+        """Every probe that answered unlike its baseline, with why: what a failed no-alert check shows."""
+        db = sqlite3.connect(self.root / "state" / "canaryd.db")
+        return db.execute(
+            "select started_at, canary_id, verdict, comparison from observation "
+            "where verdict not in ('baseline', 'identical', 'error') order by id"
+        ).fetchall()
+
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, tiny_model):
@@ -214,7 +222,7 @@ def test_unchanged_restart_raises_no_alert(stack):
     )
     time.sleep(65)  # longer than the drift alerts' `for:`: a false verdict would have fired by now
     assert stack.metric('canaryd_canary_verdict{verdict="identical"} == 1'), "verdicts after restart"
-    assert not stack.metric('ALERTS{alertname=~"' + "|".join(DRIFT_ALERTS) + '"}')
+    assert not stack.metric('ALERTS{alertname=~"' + "|".join(DRIFT_ALERTS) + '"}'), stack.moved()
     assert not [a for _, a in stack.receiver.firing() if a["labels"]["alertname"] in DRIFT_ALERTS]
 
 

@@ -115,11 +115,19 @@ def assert_detected(results: list[dict], *, tokens_kept: bool) -> None:
         assert all(r["text_identical"] for r in results)
 
 
+def detector(lab: Lab) -> tuple[int, list[str]]:
+    db = sqlite3.connect(lab.root / "state" / "canaryd.db")
+    alarm, pending = db.execute("select alarm, pending from detector where backend = 'local'").fetchone()
+    return alarm, sorted(json.loads(pending))
+
+
 def test_bf16_is_detected_in_one_cycle(lab, tiny_model):
     with lab.serve(tiny_model, dtype="bfloat16"):
         code, results = lab.check()
     assert code == 1
     assert_detected(results, tokens_kept=False)
+    # 4 canaries at K = 6 cannot prove arl = 1e4 in one cycle: the alarm waits for a second that moves
+    assert detector(lab) == (0, ["add", "capital", "colors", "count"])
 
 
 def test_int8_round_trip_is_detected_in_one_cycle(lab, int8_model):
@@ -127,6 +135,7 @@ def test_int8_round_trip_is_detected_in_one_cycle(lab, int8_model):
         code, results = lab.check()
     assert code == 1
     assert_detected(results, tokens_kept=False)
+    assert detector(lab)[0] == 1  # the canaries moved again: the alarm latches
 
 
 def test_a_perturbation_that_keeps_every_greedy_answer_is_detected_in_one_cycle(lab, nudged_model):
@@ -134,5 +143,4 @@ def test_a_perturbation_that_keeps_every_greedy_answer_is_detected_in_one_cycle(
         code, results = lab.check()
     assert code == 1
     assert_detected(results, tokens_kept=True)
-    db = sqlite3.connect(lab.root / "state" / "canaryd.db")
-    assert db.execute("select alarm from detector where backend = 'local'").fetchone() == (1,)
+    assert detector(lab) == (1, ["add", "capital", "colors", "count"])

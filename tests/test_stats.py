@@ -6,6 +6,7 @@ discrete numerical modes (offsets per coordinate) plus small iid jitter, and the
 
 import json
 import random
+from dataclasses import replace
 from datetime import UTC, datetime
 
 import pytest
@@ -311,7 +312,11 @@ def test_decide_passes_exact_changes_through_and_without_evidence_changes_nothin
     moved[0][0] -= 1e-3
     c = compare(obs(rows), obs(moved), correct=None, noise=model)
     d = decide(["x"], [c], DetectorState(), arl=1e4, min_out=2)
-    assert d.comparisons[0].verdict is Verdict.LOGPROB_DRIFT and d.state.alarm
+    assert d.comparisons[0].verdict is Verdict.LOGPROB_DRIFT  # the verdict does not wait
+    assert not d.state.alarm and d.state.pending == ("x",)
+    assert "move again next cycle" in d.comparisons[0].reasons[-1]
+    again = decide(["x"], [c], d.state, arl=1e4, min_out=2)
+    assert again.state.alarm and again.comparisons[0].verdict is Verdict.LOGPROB_DRIFT
     plain = compare(obs(rows), obs(moved), correct=None)
     untouched = decide(["x"], [plain], DetectorState(), arl=1e4, min_out=2)
     assert (
@@ -323,3 +328,25 @@ def test_spread_never_falls_below_the_float_floor():
     rows = base_rows(random.Random(9))
     model = fit([obs(rows) for _ in range(4)])
     assert min(model.spread.values()) == S_FLOOR
+
+
+def test_an_exact_regime_blip_cannot_latch_the_alarm_but_a_change_that_stays_does():
+    rows = base_rows(random.Random(10))
+    model = fit([obs(rows) for _ in range(5)])
+    moved = [list(r) for r in rows]
+    moved[1][0] += 1e-6
+    same = compare(obs(rows), obs(rows), correct=None, noise=model)
+    blip = compare(obs(rows), obs(moved), correct=None, noise=model)
+    ids = ["x", "y", "z"]
+    state = DetectorState()
+    # x blips, the next cycle is clean, then y blips, then z: never the same canary twice in a row
+    for cycle in ([blip, same, same], [same] * 3, [same, blip, same], [same, same, blip]):
+        d = decide(ids, cycle, state, arl=1e4)
+        state = d.state
+        assert not state.alarm
+    assert state.pending == ("z",) and state.cycles == 4
+    # an error cycle (no evidence) keeps the pending canary; it moving again is the alarm
+    assert decide(ids, [replace(same, evidence=None)] * 3, state, arl=1e4).state == state
+    assert decide(ids, [same, same, blip], state, arl=1e4).state.alarm
+    # a blip of min_out canaries at once is as unlikely as min_out conformal outs: the fast path takes it
+    assert decide(ids, [blip, blip, same], DetectorState(), arl=1e4, min_out=2).state.alarm

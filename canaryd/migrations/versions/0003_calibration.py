@@ -36,6 +36,7 @@ def upgrade() -> None:
         sa.Column("statistic", sa.Float(), nullable=False),
         sa.Column("cycles", sa.Integer(), nullable=False),
         sa.Column("alarm", sa.Boolean(), nullable=False),
+        sa.Column("pending", sa.JSON(), nullable=False),
         sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False),
         sa.PrimaryKeyConstraint("backend"),
     )
