@@ -634,7 +634,8 @@ def main() -> None:
     )
     print(
         f"canaryd knobs from alpha, for any test of up to {max(settings.r_probes)} cycles: min_out "
-        f"{rule.min_out}, arl {rule.arl:g} (in the exact regime any deviation alarms at once)"
+        f"{rule.min_out}, arl {rule.arl:g} (exact regime: min_out canaries at once, or one moving in two "
+        "consecutive cycles)"
     )
     print(f"G scale {g_scale:g} (× each tensor's std): every greedy canary's text unchanged")
     print(
