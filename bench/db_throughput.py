@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from canaryd import log
-from canaryd.compare import Comparison, compare
+from canaryd.judge.compare import Comparison, compare
 from canaryd.observation import Observation, TokenLogprob
 from canaryd.store import Store
 from tests.postgres import PostgresServer

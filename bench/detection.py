@@ -64,16 +64,20 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from canaryd import log  # noqa: E402
-from canaryd.backends import Backend, make_backend  # noqa: E402
-from canaryd.calibrate import probes as calibration_probes  # noqa: E402
+from canaryd.backends import (  # noqa: E402
+    Backend,
+    make_backend,
+    vllm_server,
+)
 from canaryd.canaries import Canary, load_suite  # noqa: E402
-from canaryd.compare import Comparison, compare, decide  # noqa: E402
-from canaryd.config import BackendConfig, CompareConfig  # noqa: E402
+from canaryd.config import CompareConfig  # noqa: E402
+from canaryd.judge.compare import Comparison, compare, decide  # noqa: E402
+from canaryd.judge.sampled import answer, answer_test  # noqa: E402
+from canaryd.judge.stats import DetectorState, NoiseModel, fit  # noqa: E402
+from canaryd.lab.tinymodel import build_tiny_model, perturb_weights  # noqa: E402
+from canaryd.lab.vllm_process import VLLMServer  # noqa: E402
 from canaryd.observation import Observation  # noqa: E402
-from canaryd.sampled import answer, answer_test  # noqa: E402
-from canaryd.stats import DetectorState, NoiseModel, fit  # noqa: E402
-from canaryd.tinymodel import build_tiny_model, perturb_weights  # noqa: E402
-from canaryd.vllm_process import VLLMServer  # noqa: E402
+from canaryd.probe.calibrate import probes as calibration_probes  # noqa: E402
 
 CACHE = REPO / ".cache" / "bench-models"
 CANARY_IDS = (
@@ -219,7 +223,7 @@ def trained_model(canaries: Sequence[Canary]) -> Path:
 def serving(model: Path, dtype: str, logs: Path, name: str) -> Iterator[tuple[Backend, float]]:
     """A real vLLM server and canaryd's own backend for it (closed, and the server stopped, on exit)."""
     with VLLMServer(model, dtype=dtype, extra_args=["--enforce-eager"], log_path=logs / f"{name}.log") as srv:
-        cfg = BackendConfig(
+        cfg = vllm_server.Settings(
             name="bench", kind="vllm", base_url=srv.base_url, model="tiny", concurrency=CONCURRENCY
         )
         backend = make_backend(cfg)

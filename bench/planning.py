@@ -22,10 +22,10 @@ from prometheus_client import generate_latest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from canaryd.compare import compare
-from canaryd.metrics import Metrics
+from canaryd.daemon.metrics import Metrics
+from canaryd.judge.compare import compare
 from canaryd.observation import Observation, TokenLogprob
-from canaryd.probe import BackendRun, Result
+from canaryd.probe.run import BackendRun, Result
 from canaryd.store import Store
 
 STACK = {"vllm.version": "0.32.0", "response.system_fingerprint": "vllm-0.32.0-1a0c594b", "models.root": "/m"}

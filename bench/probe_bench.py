@@ -25,10 +25,10 @@ sys.path.insert(0, str(REPO))
 
 from canaryd import log  # noqa: E402
 from canaryd.config import load_config  # noqa: E402
-from canaryd.daemon import Daemon  # noqa: E402
-from canaryd.probe import run_pass  # noqa: E402
-from canaryd.tinymodel import build_tiny_model  # noqa: E402
-from canaryd.vllm_process import VLLMServer, free_port  # noqa: E402
+from canaryd.daemon.service import Daemon  # noqa: E402
+from canaryd.lab.tinymodel import build_tiny_model  # noqa: E402
+from canaryd.lab.vllm_process import VLLMServer, free_port  # noqa: E402
+from canaryd.probe.run import run_pass  # noqa: E402
 
 CONFIG = """
 state_dir = "state"

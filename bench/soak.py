@@ -26,8 +26,8 @@ import httpx2
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from canaryd.tinymodel import build_tiny_model  # noqa: E402
-from canaryd.vllm_process import VLLMServer, free_port  # noqa: E402
+from canaryd.lab.tinymodel import build_tiny_model  # noqa: E402
+from canaryd.lab.vllm_process import VLLMServer, free_port  # noqa: E402
 from tests.faultproxy import FaultProxy  # noqa: E402
 
 CONFIG = """

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from canaryd.compare import compare
+from canaryd.judge.compare import compare
 from canaryd.observation import Observation, TokenLogprob
 from canaryd.store import Store
 

@@ -31,11 +31,11 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from canaryd import log as logsetup
 from canaryd.canaries import load_suites
-from canaryd.compare import Verdict
 from canaryd.config import Config, find_config, load_config, parse_duration
 from canaryd.errors import InputError
-from canaryd.pin import Pin, PinReport, check_pin, load_pin
-from canaryd.probe import Result
+from canaryd.judge.compare import Verdict
+from canaryd.probe.run import Result
+from canaryd.report.pin import Pin, PinReport, check_pin, load_pin
 from canaryd.stack import diff, merge_stacks
 
 if TYPE_CHECKING:
@@ -150,7 +150,7 @@ def _pin_table(report: PinReport):
 
 def _show(results: list[Result], pin: PinReport | None, as_json: bool, console: Console) -> int:
     """Print a pass (and its pin check) as tables or JSON; return the gate's exit code."""
-    from canaryd.report import print_tables, result_dict, results_table, stack_changes_table
+    from canaryd.report.tables import print_tables, result_dict, results_table, stack_changes_table
 
     code = gate(results)
     if code == EXIT_OK and pin is not None and not pin.matches:
@@ -191,7 +191,7 @@ def check(
     ] = None,
 ) -> None:
     """Probe, compare with the baselines, and exit 0/1/3 (the gate for CI and benchmark sessions)."""
-    from canaryd.probe import run_pass
+    from canaryd.probe.run import run_pass
 
     if pin is None:
         raise typer.Exit(_show(run_pass(_config(ctx), only=backend), None, as_json, out))
@@ -207,7 +207,7 @@ def probe(
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")] = False,
 ) -> None:
     """Send every canary through every backend and record the observations (exit 3 if one was down)."""
-    from canaryd.probe import run_pass
+    from canaryd.probe.run import run_pass
 
     code = _show(run_pass(_config(ctx), only=backend), None, as_json, out)
     raise typer.Exit(EXIT_UNAVAILABLE if code == EXIT_UNAVAILABLE else EXIT_OK)
@@ -234,8 +234,8 @@ def census_cmd(
     import time
 
     from canaryd.backends import BackendUnavailable, make_backend
-    from canaryd.census import census_table, fillers_for, parse_batch_sizes, run_census
-    from canaryd.probe import plan
+    from canaryd.probe.census import census_table, fillers_for, parse_batch_sizes, run_census
+    from canaryd.probe.run import plan
     from canaryd.stack import stack_hash
 
     sizes = parse_batch_sizes(batch_sizes)
@@ -309,8 +309,8 @@ def pin_cmd(
     out_file: Annotated[Path | None, typer.Option("--out", help="Write here (default: stdout).")] = None,
 ) -> None:
     """Probe once and write each backend's stack as it is now: a lock file for `check --pin`/`preflight`."""
-    from canaryd.pin import PinnedBackend, to_json
-    from canaryd.probe import run_pass
+    from canaryd.probe.run import run_pass
+    from canaryd.report.pin import PinnedBackend, to_json
 
     cfg = _config(ctx)
     results = run_pass(cfg, only=backend)
@@ -353,8 +353,8 @@ def preflight(
     Refuses to start COMMAND (exit 1) on any drift verdict or moved pin field, exit 3 if a backend is
     unreachable; otherwise exits with COMMAND's exit code. Tables go to stderr: stdout is COMMAND's.
     """
-    from canaryd.probe import run_pass
-    from canaryd.record import build_record, summarize, to_markdown
+    from canaryd.probe.run import run_pass
+    from canaryd.report.record import build_record, summarize, to_markdown
 
     pinned = load_pin(pin)
     cfg = _pinned_config(_config(ctx), pinned, pin, backend)
@@ -416,8 +416,8 @@ def explain(
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """The last flip: last good and first bad observation side by side, what moved, what to revert."""
-    from canaryd.record import explain as explain_flips
-    from canaryd.record import explain_text
+    from canaryd.report.record import explain as explain_flips
+    from canaryd.report.record import explain_text
 
     with _store(_config(ctx)) as store:
         doc = explain_flips(store, backend, canary)
@@ -457,7 +457,7 @@ def record_cmd(
     out_file: Annotated[Path | None, typer.Option("--out", help="Write here (default: stdout).")] = None,
 ) -> None:
     """The reproducibility record of a session, from the store: stack, pin, canaries, changes, pointers."""
-    from canaryd.record import build_record, to_markdown
+    from canaryd.report.record import build_record, to_markdown
 
     if (not run) == (since is None):
         raise InputError("record: give either --run ID (repeatable) or --since TIME")
@@ -504,7 +504,7 @@ def export(
     out_file: Annotated[Path | None, typer.Option("--out", help="Write here (default: stdout).")] = None,
 ) -> None:
     """A run's raw observations as JSON lines: every field, tokens, logprobs, top-k and the stack."""
-    from canaryd.record import export_line
+    from canaryd.report.record import export_line
 
     with _store(_config(ctx)) as store:
         pairs = store.load(store.ids_of_runs(run))
@@ -516,7 +516,7 @@ def export(
 @app.command()
 def run(ctx: typer.Context) -> None:
     """Run the daemon: probe on the configured schedules and serve Prometheus metrics."""
-    from canaryd.daemon import Daemon
+    from canaryd.daemon.service import Daemon
 
     path = find_config(ctx.obj.config_path)
     if ctx.obj.log_level is None:
@@ -551,8 +551,16 @@ def diff_cmd(
 
     Exit 0 when no answer or step changed in any pair, 1 when one did (like diff(1)).
     """
-    from canaryd.report import print_tables
-    from canaryd.rundiff import Run, changed_lines, diff_runs, diff_table, pairs_of, scores_table, step_output
+    from canaryd.report.rundiff import (
+        Run,
+        changed_lines,
+        diff_runs,
+        diff_table,
+        pairs_of,
+        scores_table,
+        step_output,
+    )
+    from canaryd.report.tables import print_tables
 
     if len(runs) % 2:
         raise InputError(f"diff: run ids come in pairs (A B [C D ...]), got {len(runs)}")
@@ -589,7 +597,7 @@ def history(
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Stored observations, newest first."""
-    from canaryd.report import history_table
+    from canaryd.report.tables import history_table
     from canaryd.store import Store
 
     store = Store(_config(ctx).storage_url)
@@ -682,10 +690,10 @@ def baseline_calibrate(
     """Learn each canary's honest noise (K probes, alone and in crowded batches); exit 1 if a baseline
     lies outside it."""
     from canaryd.backends import BackendUnavailable, make_backend
-    from canaryd.calibrate import calibrate
-    from canaryd.census import parse_batch_sizes
-    from canaryd.probe import plan
-    from canaryd.report import calibration_table
+    from canaryd.probe.calibrate import calibrate
+    from canaryd.probe.census import parse_batch_sizes
+    from canaryd.probe.run import plan
+    from canaryd.report.tables import calibration_table
 
     cfg = _config(ctx)
     if backend is not None:

@@ -8,130 +8,34 @@ file (``api_key_file``, e.g. a systemd credential) that holds its key.
 from __future__ import annotations
 
 import os
-import re
 import tomllib
 from pathlib import Path
-from typing import Annotated, Literal, Self
+from typing import Annotated, Self, Union
 
-from pydantic import (
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import Field, ValidationError, field_validator, model_validator
 
+from canaryd.backends import KINDS, BackendSettings, settings_types
 from canaryd.canaries import ID_PATTERN
 from canaryd.errors import InputError, describe_validation_error
+from canaryd.fields import Duration, Strict, parse_duration
 
-_ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
-_UNIT_S = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
-
-
-def parse_duration(value: object) -> float:
-    """Prometheus-style durations ("30s", "5m", "1h30m") or plain seconds, to seconds."""
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, str) and value and _DURATION.sub("", value) == "":
-        return sum(float(n) * _UNIT_S[u] for n, u in _DURATION.findall(value))
-    raise ValueError(f"not a duration: {value!r} (use e.g. 30s, 5m, 1h30m)")
+__all__ = ["Config", "find_config", "load_config", "parse_duration"]
 
 
-Duration = Annotated[float, BeforeValidator(parse_duration), Field(ge=0)]
+# A ``[[backends]]`` entry validates against the registered kind's own config block, chosen by ``kind``.
+AnyBackend = Annotated[Union[settings_types()], Field(discriminator="kind")]  # noqa: UP007
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class HostProbe(_Strict):
-    """Facts about a vLLM server's host, gathered when canaryd runs on that host (off by default)."""
-
-    python: Path  # the serving venv's interpreter, e.g. /opt/vllm/bin/python
-    model_dir: Path | None = None  # weights directory to hash (default: the server's /v1/models root)
-
-
-class BackendConfig(_Strict):
-    name: Annotated[str, Field(pattern=ID_PATTERN)]
-    kind: Literal["vllm", "openai", "vllm-offline"]
-    base_url: str | None = None  # required for vllm and openai
-    model: str  # served model name; for vllm-offline the path or id given to vllm.LLM
-    api_key_env: Annotated[str | None, Field(pattern=_ENV_NAME)] = None
-    api_key_file: Path | None = None
-    timeout_s: Annotated[float, Field(gt=0, le=3600)] = 60.0
-    connect_timeout_s: Annotated[float, Field(gt=0, le=600)] = 5.0
-    concurrency: Annotated[int, Field(ge=1, le=256)] = 4
-    # Transient failures (connect, timeout, 429, 5xx, cut body) are retried this often, with exponential
-    # backoff and jitter (Retry-After honoured, capped); after breaker_failures failed probes in a row the
-    # backend is left alone for breaker_cooldown.
-    retries: Annotated[int, Field(ge=0, le=10)] = 2
-    retry_backoff: Duration = 0.5
-    retry_max_wait: Duration = 30.0
-    breaker_failures: Annotated[int, Field(ge=1, le=1000)] = 5
-    breaker_cooldown: Duration = 60.0
-    # vllm-offline: keyword arguments for vllm.LLM (dtype, quantization, kv_cache_dtype, enforce_eager, seed,
-    # max_model_len, ...) and environment variables set before the engine starts (VLLM_BATCH_INVARIANT, ...).
-    engine: dict[str, str | int | float | bool] = {}
-    env: dict[str, str] = {}
-    host_probe: HostProbe | None = None  # vllm only
-
-    @field_validator("base_url")
-    @classmethod
-    def _http_url(cls, v: str | None) -> str | None:
-        if v is not None and not re.match(r"^https?://[^\s/]+", v):
-            raise ValueError("must be an http:// or https:// URL")
-        return v.rstrip("/") if v else v
-
-    @model_validator(mode="after")
-    def _kind_fields(self) -> Self:
-        if self.api_key_env and self.api_key_file:
-            raise ValueError("give at most one of api_key_env, api_key_file")
-        if self.kind == "vllm-offline":
-            for name in ("base_url", "api_key_env", "api_key_file", "host_probe"):
-                if getattr(self, name) is not None:
-                    raise ValueError(f"{name} does not apply to kind vllm-offline")
-        else:
-            if self.base_url is None:
-                raise ValueError(f"base_url is required for kind {self.kind}")
-            if self.engine or self.env:
-                raise ValueError("engine and env apply only to kind vllm-offline")
-            if self.host_probe is not None and self.kind != "vllm":
-                raise ValueError("host_probe applies only to kind vllm")
-        return self
-
-    def api_key(self) -> str | None:
-        """Read the key at the last moment; it is handed to the HTTP client and nowhere else."""
-        if self.api_key_env:
-            key = os.environ.get(self.api_key_env)
-            if not key:
-                raise InputError(f"backend {self.name!r}: environment variable {self.api_key_env} is not set")
-            return key
-        if self.api_key_file:
-            path = self.api_key_file
-            if not path.is_absolute() and os.environ.get("CREDENTIALS_DIRECTORY"):
-                path = Path(os.environ["CREDENTIALS_DIRECTORY"]) / path
-            try:
-                return path.read_text(encoding="utf-8").strip()
-            except OSError as e:
-                raise InputError(
-                    f"backend {self.name!r}: cannot read api_key_file {path}: {e.strerror}"
-                ) from None
-        return None
-
-
-class SuiteRef(_Strict):
+class SuiteRef(Strict):
     path: Path
     backends: tuple[str, ...] | None = None  # None: every backend
 
 
-class StorageConfig(_Strict):
+class StorageConfig(Strict):
     url: str | None = None  # SQLAlchemy URL; default sqlite under state_dir
 
 
-class CompareConfig(_Strict):
+class CompareConfig(Strict):
     # Largest |Δ logprob| still called identical. 0: any change counts (right for batch-invariant engines).
     logprob_tolerance: Annotated[float, Field(ge=0)] = 0.0
     # False-alarm rate per sampled-canary comparison (split over its two tests: see sampled.py).
@@ -149,7 +53,7 @@ class CompareConfig(_Strict):
     ] = (1, 8)
 
 
-class ScheduleConfig(_Strict):
+class ScheduleConfig(Strict):
     """When the daemon probes what: every backend × suite by default, every 5 minutes."""
 
     name: Annotated[str, Field(pattern=ID_PATTERN)] = "default"
@@ -197,7 +101,7 @@ class ScheduleConfig(_Strict):
         return min(gaps)
 
 
-class DaemonConfig(_Strict):
+class DaemonConfig(Strict):
     listen: str = "127.0.0.1:9464"  # metrics; loopback unless you mean it
     # Recorded with every run, so daemons sharing one database can be told apart (default: hostname).
     instance: Annotated[str | None, Field(pattern=ID_PATTERN)] = None
@@ -217,10 +121,10 @@ class DaemonConfig(_Strict):
         return host.strip("[]"), int(port)
 
 
-class Config(_Strict):
+class Config(Strict):
     path: Path
     state_dir: Path
-    backends: tuple[BackendConfig, ...]
+    backends: tuple[AnyBackend, ...]  # type: ignore[valid-type]
     suites: tuple[SuiteRef, ...]
     storage: StorageConfig = StorageConfig()
     compare: CompareConfig = CompareConfig()
@@ -250,7 +154,7 @@ class Config(_Strict):
     def storage_url(self) -> str:
         return self.storage.url or f"sqlite:///{self.state_dir / 'canaryd.db'}"
 
-    def backend(self, name: str) -> BackendConfig:
+    def backend(self, name: str) -> BackendSettings:
         for b in self.backends:
             if b.name == name:
                 return b
@@ -297,14 +201,11 @@ def load_config(path: Path) -> Config:
         cfg = Config.model_validate({**raw, "path": path})
     except ValidationError as e:
         first = e.errors()[0]
+        loc = [p for p in first["loc"] if p not in KINDS]  # a kind's tag is not a field the user wrote
         hint = ""
-        if (
-            first["type"] == "extra_forbidden"
-            and len(first["loc"]) == 3
-            and first["loc"][2] in Config.model_fields
-        ):
-            hint = f" (TOML: a key after a [[{first['loc'][0]}]] table belongs to it; move it above)"
-        raise InputError(f"{path}: {describe_validation_error(e)}{hint}") from None
+        if first["type"] == "extra_forbidden" and len(loc) == 3 and loc[2] in Config.model_fields:
+            hint = f" (TOML: a key after a [[{loc[0]}]] table belongs to it; move it above)"
+        raise InputError(f"{path}: {describe_validation_error(e, tags=KINDS)}{hint}") from None
     if not cfg.backends:
         raise InputError(f"{path}: backends: at least one [[backends]] entry is required")
     if not cfg.suites:

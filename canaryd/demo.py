@@ -16,10 +16,10 @@ from pathlib import Path
 from rich.console import Console
 
 from canaryd.canaries import load_suite
-from canaryd.compare import Verdict
 from canaryd.config import load_config
-from canaryd.probe import Result, run_pass
-from canaryd.report import print_tables, results_table, stack_changes_table
+from canaryd.judge.compare import Verdict
+from canaryd.probe.run import Result, run_pass
+from canaryd.report.tables import print_tables, results_table, stack_changes_table
 from canaryd.scaffold import shipped_canaries
 
 CONFIG = """\
@@ -44,8 +44,8 @@ def _verdicts(results: list[Result]) -> dict[str, int]:
 
 
 def run_demo(workdir: Path, console: Console) -> int:
-    from canaryd.tinymodel import build_tiny_model
-    from canaryd.vllm_process import VLLMServer, free_port
+    from canaryd.lab.tinymodel import build_tiny_model
+    from canaryd.lab.vllm_process import VLLMServer, free_port
 
     workdir = workdir.resolve()
     workdir.mkdir(parents=True, exist_ok=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 
 from pydantic import ValidationError
 
@@ -11,11 +12,21 @@ class InputError(Exception):
     """Bad config, canary file or argument: exit code 2. The message names the file and the field."""
 
 
-def describe_validation_error(err: ValidationError) -> str:
-    """Pydantic's first error as ``field.path: message`` on one line."""
+def describe_validation_error(err: ValidationError, tags: Collection[str] = ()) -> str:
+    """Pydantic's first error as ``field.path: message`` on one line.
+
+    ``tags`` are a tagged union's tags (backend kinds), which pydantic puts in the path although the user
+    never wrote them; a tag that matches nothing is reported on the discriminator field itself.
+    """
     first = err.errors()[0]
-    loc = ".".join(_loc_part(p) for p in first["loc"]).replace(".[", "[")
+    parts = [p for p in first["loc"] if p not in tags]
     msg = " ".join(first["msg"].removeprefix("Value error, ").splitlines())
+    if first["type"] in ("union_tag_invalid", "union_tag_not_found"):
+        field = str(first["ctx"]["discriminator"]).strip("'")
+        parts.append(field)
+        got = first["ctx"].get("tag")
+        msg = f"unknown {field} {got!r} (known: {', '.join(tags)})" if got else f"{field} is required"
+    loc = ".".join(_loc_part(p) for p in parts).replace(".[", "[")
     extra = f" (and {err.error_count() - 1} more)" if err.error_count() > 1 else ""
     return f"{loc or '(top level)'}: {msg}{extra}"
 

@@ -7,7 +7,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
+
+
+def utcnow() -> datetime:
+    """Aware UTC now: every timestamp canaryd records (observations, runs, baselines) comes from here."""
+    return datetime.now(UTC)
 
 
 class ErrorKind(enum.StrEnum):

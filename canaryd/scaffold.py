@@ -6,9 +6,10 @@ import shutil
 import sys
 from pathlib import Path
 
+from canaryd.backends import examples
 from canaryd.errors import InputError
 
-EXAMPLE = """\
+_TEMPLATE = """\
 # canaryd configuration. Reference: README.md ("Configuration").
 # Relative paths are resolved against this file's directory.
 
@@ -33,27 +34,7 @@ jitter = "30s"
 # backends = ["local-vllm"]     # default: all
 # suites = ["default"]          # suite names; default: all
 
-# A vLLM OpenAI-compatible server. canaryd also reads /version, /v1/models, /metrics and /tokenize
-# to snapshot the serving stack.
-[[backends]]
-name = "local-vllm"
-kind = "vllm"
-base_url = "http://127.0.0.1:8000/v1"
-model = "my-model"          # the served model name
-# api_key_env = "VLLM_API_KEY" # if the server was started with --api-key
-timeout_s = 60               # per request; canaryd never retries inside a probe
-concurrency = 4              # canaries in flight at once on this backend
-
-# Any OpenAI-compatible API: OpenAI, OpenRouter, Together, SGLang, llama.cpp server ...
-# The key is read from the environment variable named here (or from api_key_file, e.g. a systemd
-# credential); it never goes in this file, the database, the logs or the metrics.
-# [[backends]]
-# name = "openai-gpt"
-# kind = "openai"
-# base_url = "https://api.openai.com/v1"
-# model = "gpt-4.1-mini"
-# api_key_env = "OPENAI_API_KEY"
-
+{backends}
 [storage]
 # SQLAlchemy URL; default sqlite:///<state_dir>/canaryd.db. PostgreSQL for fleets:
 # url = "postgresql+psycopg://canaryd@db/canaryd"
@@ -70,6 +51,11 @@ logprob_tolerance = 0.0
 # min_out = 4       # calibrated canaries out in one cycle to alarm (default: derived from arl)
 # alpha = 0.001     # sampled canaries (samples > 1): false-alarm rate per comparison
 """
+
+
+def example() -> str:
+    """The example config, with a block for each backend kind that offers one."""
+    return _TEMPLATE.replace("{backends}", "\n".join(examples()))
 
 
 def shipped_canaries() -> Path:
@@ -89,7 +75,7 @@ def write_example(path: Path, *, force: bool = False) -> list[Path]:
         if target.exists() and not force:
             raise InputError(f"{target}: already exists (use --force to overwrite)")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(EXAMPLE, encoding="utf-8")
+    path.write_text(example(), encoding="utf-8")
     suite.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(shipped_canaries() / "default.toml", suite)
     return [path, suite]

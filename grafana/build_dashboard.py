@@ -53,7 +53,7 @@ JOB = 'job=~"$job", instance=~"$instance"'
 BACKEND = JOB + ', backend=~"$backend"'
 CANARY = BACKEND + ', canary=~"$canary"'
 
-# canaryd.compare.Verdict values, least to most severe; the index is the code the verdict panels map.
+# canaryd.judge.compare.Verdict values, least to most severe; the index is the code the verdict panels map.
 # tests/test_dashboard.py checks this list against the enum.
 VERDICTS: tuple[tuple[str, str], ...] = (
     ("identical", "green"),

@@ -22,13 +22,13 @@ CACHE = Path(os.environ.get("CANARYD_TEST_CACHE", REPO / ".cache" / "test-models
 
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
-    from canaryd.tinymodel import build_tiny_model
+    from canaryd.lab.tinymodel import build_tiny_model
 
     return build_tiny_model(CACHE / "random-seed0", seed=0)
 
 
 @pytest.fixture(scope="session")
 def int8_model(tiny_model: Path) -> Path:
-    from canaryd.tinymodel import perturb_weights
+    from canaryd.lab.tinymodel import perturb_weights
 
     return perturb_weights(tiny_model, CACHE / "random-seed0-int8", mode="int8")

@@ -15,7 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx2
 
-from canaryd.vllm_process import free_port
+from canaryd.lab.vllm_process import free_port
 
 MODES = ("pass", "hang", "429", "503", "badjson", "truncate", "nologprobs")
 

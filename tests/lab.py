@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from canaryd.vllm_process import VLLMServer, free_port
+from canaryd.lab.vllm_process import VLLMServer, free_port
 
 # One vLLM backend named "local" on the lab's port: the config the suites need when they need nothing else.
 LOCAL_CONFIG = """

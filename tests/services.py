@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx2
 
-from canaryd.vllm_process import free_port
+from canaryd.lab.vllm_process import free_port
 
 
 def need(binary: str) -> str:

@@ -3,7 +3,7 @@
 Nothing here skips: without promtool (Debian's ``prometheus`` package) the promtool tests fail, as CI must.
 The Python checks replicate mixtool's alert lint, tie every ``runbook_url`` to a heading of docs/runbook.md,
 and check every metric, label and enum value the rules (and the queries in their annotations) use against
-what ``canaryd.metrics.Metrics`` exports.
+what ``canaryd.daemon.metrics.Metrics`` exports.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from canaryd.compare import Verdict
+from canaryd.judge.compare import Verdict
 from canaryd.observation import ErrorKind
 
 REPO = Path(__file__).resolve().parents[1]
@@ -166,7 +166,7 @@ def test_every_alert_tested_firing_and_quiet() -> None:
     assert set(ALERT_NAMES) <= quiet, f"never tested not firing: {sorted(set(ALERT_NAMES) - quiet)}"
 
 
-# -- metrics, labels and enum values against canaryd.metrics ------------------------------------------------
+# -- metrics, labels and enum values against canaryd.daemon.metrics -----------------------------------------
 
 
 @cache
@@ -174,7 +174,7 @@ def _exported() -> dict[str, set[str]]:
     """Every series name canaryd exports (as Prometheus sees it), with its label names."""
     from prometheus_client.metrics import MetricWrapperBase
 
-    from canaryd.metrics import Metrics
+    from canaryd.daemon.metrics import Metrics
 
     m = Metrics()
     suffixes = {

@@ -9,7 +9,9 @@ from datetime import UTC, datetime
 import pytest
 
 from canaryd.canaries import Canary, Decoding, Message, Step
-from canaryd.census import (
+from canaryd.errors import InputError
+from canaryd.observation import ErrorKind, Observation, TokenLogprob
+from canaryd.probe.census import (
     BUILTIN_FILLERS,
     Census,
     collect,
@@ -17,8 +19,6 @@ from canaryd.census import (
     parse_batch_sizes,
     summarize,
 )
-from canaryd.errors import InputError
-from canaryd.observation import ErrorKind, Observation, TokenLogprob
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
 

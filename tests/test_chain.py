@@ -18,15 +18,15 @@ from pathlib import Path
 import pytest
 
 from canaryd.backends import make_backend
-from canaryd.calibrate import calibrate, probes
 from canaryd.canaries import load_suite, load_suites
-from canaryd.chain import first_divergence, mark_divergence, render, run_chain, step_canary
-from canaryd.compare import Comparison, Verdict
 from canaryd.config import load_config
 from canaryd.errors import InputError
+from canaryd.judge.compare import Comparison, Verdict
+from canaryd.judge.stats import DetectorState
 from canaryd.observation import ErrorKind, Observation
-from canaryd.probe import plan, probe_all, run_pass
-from canaryd.stats import DetectorState
+from canaryd.probe.calibrate import calibrate, probes
+from canaryd.probe.chain import first_divergence, mark_divergence, render, run_chain, step_canary
+from canaryd.probe.run import plan, probe_all, run_pass
 from canaryd.store import Store
 
 REPO = Path(__file__).resolve().parents[1]

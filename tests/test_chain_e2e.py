@@ -67,7 +67,7 @@ def lab(tmp_path_factory) -> ChainLab:
 
 @pytest.fixture(scope="module")
 def noisy_model(tiny_model: Path) -> Path:
-    from canaryd.tinymodel import perturb_weights
+    from canaryd.lab.tinymodel import perturb_weights
 
     # large enough that greedy tokens change, not just logprobs (checked: the diff must count changed steps)
     return perturb_weights(tiny_model, CACHE / "random-seed0-noise0.5", mode="noise", scale=0.5)

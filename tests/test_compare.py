@@ -4,7 +4,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from canaryd.compare import Verdict, compare, token_delta
+from canaryd.judge.compare import Verdict, compare, token_delta
 from canaryd.observation import ErrorKind, Observation, TokenLogprob
 from canaryd.stack import diff, stack_hash
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx2
 import pytest
 
-from canaryd.vllm_process import VLLMServer, free_port
+from canaryd.lab.vllm_process import VLLMServer, free_port
 from tests.services import (
     Service,
     WebhookReceiver,

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from canaryd.compare import Verdict
-from canaryd.metrics import Metrics
+from canaryd.daemon.metrics import Metrics
+from canaryd.judge.compare import Verdict
 
 REPO = Path(__file__).resolve().parents[1]
 GRAFANA = REPO / "grafana"
@@ -200,7 +200,7 @@ def test_metric_names_exist_in_registry(exprs):
     names = registry_names()
     for where, expr in exprs:
         for metric in METRIC.findall(expr):
-            assert metric in names, f"{where}: {metric} is not exported by canaryd.metrics.Metrics"
+            assert metric in names, f"{where}: {metric} is not exported by canaryd.daemon.metrics.Metrics"
 
 
 def test_every_metric_is_on_the_dashboard(exprs):

@@ -65,7 +65,7 @@ def lab(tmp_path_factory) -> DetectLab:
 
 @pytest.fixture(scope="module")
 def nudged_model(tiny_model: Path) -> Path:
-    from canaryd.tinymodel import perturb_weights
+    from canaryd.lab.tinymodel import perturb_weights
 
     from .conftest import CACHE
 

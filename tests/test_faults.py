@@ -11,14 +11,14 @@ import sys
 import pytest
 
 from canaryd.backends import make_backend
-from canaryd.breaker import CircuitBreaker, RetryPolicy
+from canaryd.backends.resilience import CircuitBreaker, RetryPolicy
 from canaryd.canaries import load_suite
 from canaryd.config import load_config
-from canaryd.metrics import Metrics
+from canaryd.daemon.metrics import Metrics
+from canaryd.lab.vllm_process import VLLMServer
 from canaryd.observation import ErrorKind
-from canaryd.probe import plan, probe_backend
+from canaryd.probe.run import plan, probe_backend
 from canaryd.store import Store
-from canaryd.vllm_process import VLLMServer
 from tests.faultproxy import FaultProxy
 
 SUITE = """

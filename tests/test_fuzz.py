@@ -9,7 +9,7 @@ import tomllib
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from canaryd.backends.openai_compat import InvalidResponse, parse_chat, parse_completion
+from canaryd.backends.openai_wire import InvalidResponse, parse_chat, parse_completion
 from canaryd.canaries import load_suite
 from canaryd.config import load_config
 from canaryd.errors import InputError

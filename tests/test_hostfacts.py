@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 
 from canaryd import hostfacts
-from canaryd.backends.vllm_server import HOSTFACTS_SCRIPT, VLLMServerBackend
-from canaryd.config import BackendConfig, HostProbe
+from canaryd.backends.vllm_server import HOSTFACTS_SCRIPT, HostProbe, Prober, Settings
 
 SCRIPT = Path(hostfacts.__file__)
 
@@ -170,15 +169,15 @@ def test_hub_id_resolves_to_its_snapshot_in_the_local_cache(tmp_path, monkeypatc
     }
 
 
-def server_backend(python: Path | str, model_dir: Path | None = None) -> VLLMServerBackend:
-    cfg = BackendConfig(
+def server_backend(python: Path | str, model_dir: Path | None = None) -> Prober:
+    cfg = Settings(
         name="local",
         kind="vllm",
         base_url="http://127.0.0.1:9/v1",
         model="tiny",
         host_probe=HostProbe(python=Path(python), model_dir=model_dir),
     )
-    return VLLMServerBackend(cfg)
+    return Prober(cfg)
 
 
 def test_server_backend_host_probe_merges_host_fields(model_copy, tmp_path, monkeypatch):

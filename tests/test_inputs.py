@@ -240,7 +240,7 @@ def test_schedules_build_apscheduler_triggers_with_jitter():
     from apscheduler.triggers.interval import IntervalTrigger
 
     from canaryd.config import ScheduleConfig
-    from canaryd.daemon import trigger_for
+    from canaryd.daemon.service import trigger_for
 
     cron = trigger_for(ScheduleConfig(cron="*/5 * * * *", jitter="10s"))
     assert isinstance(cron, CronTrigger) and cron.jitter == 10

@@ -4,10 +4,10 @@ from datetime import UTC, datetime
 
 from prometheus_client import generate_latest
 
-from canaryd.compare import compare
-from canaryd.metrics import Metrics
+from canaryd.daemon.metrics import Metrics
+from canaryd.judge.compare import compare
 from canaryd.observation import ErrorKind, Observation, TokenLogprob
-from canaryd.probe import BackendRun, Result
+from canaryd.probe.run import BackendRun, Result
 
 
 def run(stack_fp="fp-1", lp=-0.5, error=False, unavailable=None):

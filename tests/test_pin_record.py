@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from canaryd.compare import compare
+from canaryd.judge.compare import compare
 from canaryd.observation import ErrorKind, Observation, TokenLogprob
-from canaryd.pin import Pin, PinnedBackend, check_pin, to_json
-from canaryd.record import explain, last_flip, suggest
+from canaryd.report.pin import Pin, PinnedBackend, check_pin, to_json
+from canaryd.report.record import explain, last_flip, suggest
 from canaryd.stack import FieldChange, merge_stacks
 from canaryd.store import Store
 

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine
 
-from canaryd.compare import compare
+from canaryd.judge.compare import compare
+from canaryd.judge.stats import DetectorState
 from canaryd.observation import ErrorKind, Observation, TokenLogprob
-from canaryd.record import export_line
-from canaryd.stats import DetectorState
+from canaryd.report.record import export_line
 from canaryd.store import SCHEMA_REVISION, Store
 from tests.postgres import PostgresServer
 
@@ -168,7 +168,7 @@ WRITER = textwrap.dedent(
     import sys, time
     from datetime import UTC, datetime
     from pathlib import Path
-    from canaryd.compare import compare
+    from canaryd.judge.compare import compare
     from canaryd.observation import Observation, TokenLogprob
     from canaryd.store import Store
 

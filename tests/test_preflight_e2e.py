@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from canaryd.pin import load_pin, to_json
+from canaryd.lab.vllm_process import VLLMServer, free_port
+from canaryd.report.pin import load_pin, to_json
 from canaryd.store import Store
-from canaryd.vllm_process import VLLMServer, free_port
 
 pytestmark = pytest.mark.vllm
 SUITE = """

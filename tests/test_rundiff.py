@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from canaryd.compare import Comparison, Verdict
 from canaryd.config import load_config
+from canaryd.judge.compare import Comparison, Verdict
 from canaryd.observation import ErrorKind, Observation, TokenLogprob
-from canaryd.rundiff import Run, diff_runs, diff_table, scores_table, step_output
+from canaryd.report.rundiff import Run, diff_runs, diff_table, scores_table, step_output
 from canaryd.store import Store
 
 ERR = object()  # an observation that failed

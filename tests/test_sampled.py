@@ -12,12 +12,9 @@ from pathlib import Path
 import pytest
 
 from canaryd.canaries import Expect, load_suite
-from canaryd.compare import Comparison, Verdict
 from canaryd.errors import InputError
-from canaryd.observation import ErrorKind, Observation, TokenLogprob
-from canaryd.probe import Result
-from canaryd.report import results_table
-from canaryd.sampled import (
+from canaryd.judge.compare import Comparison, Verdict
+from canaryd.judge.sampled import (
     answer_test,
     compare_samples,
     judge_samples,
@@ -26,6 +23,9 @@ from canaryd.sampled import (
     permutations_for,
     wilson,
 )
+from canaryd.observation import ErrorKind, Observation, TokenLogprob
+from canaryd.probe.run import Result
+from canaryd.report.tables import results_table
 from canaryd.store import Store
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from canaryd.tinymodel import build_tiny_model, perturb_weights
+from canaryd.lab.tinymodel import build_tiny_model, perturb_weights
 from tests.conftest import CACHE
 from tests.lab import Lab
 

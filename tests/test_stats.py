@@ -11,9 +11,8 @@ from datetime import UTC, datetime
 
 import pytest
 
-from canaryd.compare import Verdict, compare, decide
-from canaryd.observation import Observation, TokenLogprob
-from canaryd.stats import (
+from canaryd.judge.compare import Verdict, compare, decide
+from canaryd.judge.stats import (
     S_FLOOR,
     CalibrationError,
     DetectorState,
@@ -26,6 +25,7 @@ from canaryd.stats import (
     p_to_e,
     score,
 )
+from canaryd.observation import Observation, TokenLogprob
 
 T0 = datetime(2026, 12, 2, tzinfo=UTC)
 VOCAB = ["a", "b", "c", "d", "e", "f"]

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx2
 import pytest
 
-from canaryd.vllm_process import free_port
+from canaryd.lab.vllm_process import free_port
 from tests.services import wait_for
 
 SUITE = """

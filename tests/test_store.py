@@ -3,7 +3,7 @@
 import sqlite3
 from datetime import UTC, datetime
 
-from canaryd.compare import compare
+from canaryd.judge.compare import compare
 from canaryd.observation import Observation, TokenLogprob
 from canaryd.store import Store
 

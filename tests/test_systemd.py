@@ -2,7 +2,8 @@
 
 * ``systemd-analyze verify`` and ``security --offline`` on ``systemd/canaryd.service``. Neither needs systemd
   as PID 1, so they run in CI containers. A missing ``systemd-analyze`` fails the tests (it does not skip).
-* ``canaryd.sdnotify`` against a real AF_UNIX datagram socket bound by the test (path and abstract names).
+* ``canaryd.daemon.sdnotify`` against a real AF_UNIX datagram socket bound by the test (path and abstract
+  names).
 * The unit's ``SystemCallFilter=`` and ``MemoryDenyWriteExecute=`` emulated (libseccomp + ``PR_SET_MDWE``)
   around canaryd's real runtime work, so hardening that would break the daemon fails here, not in production.
 """
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from canaryd import sdnotify
+from canaryd.daemon import sdnotify
 
 REPO = Path(__file__).resolve().parents[1]
 UNIT = REPO / "systemd" / "canaryd.service"
@@ -118,7 +119,7 @@ def test_systemd_analyze_security_exposure_is_low(unit_copy: Path):
     assert proc.returncode == 0 and score * 10 <= SECURITY_THRESHOLD, out
 
 
-# --- canaryd.sdnotify against a real datagram socket -------------------------------------------------
+# --- canaryd.daemon.sdnotify against a real datagram socket -------------------------------------------------
 
 
 @pytest.fixture(params=["path", "abstract"])
@@ -280,12 +281,12 @@ def _sandboxed_workload() -> None:
     from prometheus_client import CollectorRegistry, Gauge, ProcessCollector, start_http_server
 
     import canaryd.cli
-    import canaryd.metrics
-    import canaryd.probe
+    import canaryd.daemon.metrics
+    import canaryd.probe.run
     from canaryd.store import Store
 
-    if importlib.util.find_spec("canaryd.daemon"):
-        import canaryd.daemon  # noqa: F401
+    if importlib.util.find_spec("canaryd.daemon.service"):
+        import canaryd.daemon.service  # noqa: F401
 
     with pytest.raises(PermissionError):  # the sandbox is really on
         mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)

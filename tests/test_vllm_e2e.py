@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from canaryd.vllm_process import VLLMServer
+from canaryd.lab.vllm_process import VLLMServer
 from tests.lab import Lab
 
 pytestmark = pytest.mark.vllm

@@ -18,9 +18,8 @@ from types import SimpleNamespace
 import pytest
 
 from canaryd.backends import make_backend
-from canaryd.backends.vllm_offline import VLLMOfflineBackend, engine_facts, token_logprobs
+from canaryd.backends.vllm_offline import Prober, Settings, engine_facts, token_logprobs
 from canaryd.canaries import load_suites
-from canaryd.config import BackendConfig
 
 SUITE = """
 [suite]
@@ -77,15 +76,15 @@ def test_request_hash_covers_the_canary_not_the_engine(tmp_path):
     (tmp_path / "s.toml").write_text(SUITE)
     canaries = {c.id: c for s in load_suites([tmp_path / "s.toml"]) for c in s.canaries}
 
-    def backend(**engine) -> VLLMOfflineBackend:
-        cfg = BackendConfig(name="o", kind="vllm-offline", model="/m", engine=engine, env={"VLLM_X": "1"})
-        b = make_backend(cfg)
-        assert isinstance(b, VLLMOfflineBackend) and b._llm is None  # nothing started before use
+    def backend(**engine) -> Prober:
+        cfg = Settings(name="o", kind="vllm-offline", model="/m", engine=engine, env={"VLLM_X": "1"})
+        b = make_backend(cfg).prober  # through the registry
+        assert isinstance(b, Prober) and b._llm is None  # nothing started before use
         return b
 
     f32, bf16 = backend(dtype="float32"), backend(dtype="bfloat16", hf_token="hf_secret")
-    body32, hash32 = f32.request_body(canaries["chat-capital"])
-    body16, hash16 = bf16.request_body(canaries["chat-capital"])
+    body32, hash32 = f32.request(canaries["chat-capital"]), f32.request_hash(canaries["chat-capital"])
+    body16, hash16 = bf16.request(canaries["chat-capital"]), bf16.request_hash(canaries["chat-capital"])
     assert hash32 == hash16  # a changed engine is a stack change, not a new baseline
     assert body32["engine"] == {"dtype": "float32"} and body16["engine"]["hf_token"] == "<redacted>"
     assert body32["sampling"] == {
@@ -103,7 +102,7 @@ def test_request_hash_covers_the_canary_not_the_engine(tmp_path):
         "stop": ["\n"],
     }
     assert body32["messages"][0] == {"role": "system", "content": "Be brief."}
-    assert f32.request_body(canaries["raw-completion"])[1] != hash32
+    assert f32.request_hash(canaries["raw-completion"]) != hash32
     assert f32.concurrency == 1
 
 

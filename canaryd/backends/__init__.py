@@ -1,53 +1,75 @@
-"""Backends: one small protocol any engine can implement (cf. blackbox_exporter's prober interface).
+"""Backend kinds: one module each, registered in `KINDS`, the only place that lists them.
 
-A backend knows how to send one canary and how to describe the serving stack behind it. It never
-raises from `probe`: a failure is an observation too, with an `ErrorKind`.
+A kind module defines ``Settings`` (its ``[[backends]]`` block: a `base.BackendSettings` subclass with
+``kind: Literal["<name>"]``) and ``Prober`` (the `base.Prober` built from those settings), and may define
+``EXAMPLE`` (a commented config block `canaryd init` writes) and ``ENGINE_VERSION_FIELD`` (the stack field
+the metrics show as the engine version). The config file validates ``backends`` against the union of the
+registered ``Settings``; `make_backend` wraps every ``Prober`` in the same resilience.
+
+Adding a kind is one module and one line here; the ``scripted`` kind (a fake for tests and alert drills)
+was added exactly that way.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+import importlib
+from functools import cache
+from types import ModuleType
 
-from canaryd.canaries import Canary
-from canaryd.config import BackendConfig
-from canaryd.observation import ErrorKind, Observation
+from canaryd.backends.base import Backend, BackendSettings, BackendUnavailable, HttpSettings, Prober
+
+__all__ = [
+    "KINDS",
+    "REVERT_FIRST",
+    "REVERT_LAST",
+    "Backend",
+    "BackendSettings",
+    "BackendUnavailable",
+    "HttpSettings",
+    "Prober",
+    "engine_version",
+    "examples",
+    "make_backend",
+    "settings_types",
+]
+
+KINDS: dict[str, str] = {
+    "vllm": "canaryd.backends.vllm_server",
+    "openai": "canaryd.backends.openai_compat",
+    "vllm-offline": "canaryd.backends.vllm_offline",
+    "scripted": "canaryd.backends.scripted",
+}
+
+# Stack field families (the first dotted part, ``host.`` skipped) in the order `explain` suggests
+# reverting them: settings cheapest to put back first (engine arguments, environment, cache config), then
+# versions, weights, tokenizer and hardware; what a server reports about itself comes last.
+REVERT_FIRST = ("engine", "env", "metrics", "vllm", "packages", "torch", "python", "models", "model")
+REVERT_LAST = ("template", "gpu", "cpu", "os", "request", "backend", "header", "response")
 
 
-class BackendUnavailable(Exception):
-    """The backend could not be reached while taking its stack snapshot."""
-
-    def __init__(self, kind: ErrorKind, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
+@cache
+def _module(kind: str) -> ModuleType:
+    return importlib.import_module(KINDS[kind])
 
 
-class Backend(Protocol):
-    name: str
-    kind: str
-    concurrency: int
-
-    def snapshot(self) -> dict[str, str]:
-        """Serving-side facts, flat and stable (no timestamps). Raises `BackendUnavailable`."""
-        ...
-
-    def probe(self, canary: Canary) -> Observation:
-        """Send one canary; always returns an observation (with ``error`` set on failure)."""
-        ...
-
-    def request_hash(self, canary: Canary) -> str:
-        """The hash ``probe`` gives this canary's request (what baselines are keyed by), without sending."""
-        ...
-
-    def close(self) -> None: ...
+def settings_types() -> tuple[type[BackendSettings], ...]:
+    """Every registered kind's config block, for the config file's discriminated union."""
+    return tuple(_module(k).Settings for k in KINDS)
 
 
-def make_backend(cfg: BackendConfig) -> Backend:
-    if cfg.kind == "vllm-offline":  # imports vLLM only when the engine starts, not here
-        from canaryd.backends.vllm_offline import VLLMOfflineBackend
+def make_backend(settings: BackendSettings) -> Backend:
+    """The kind's prober, wrapped in the shared retries and circuit breaker."""
+    from canaryd.backends.resilience import Resilient
 
-        return VLLMOfflineBackend(cfg)
-    from canaryd.backends.openai_compat import OpenAICompatBackend
-    from canaryd.backends.vllm_server import VLLMServerBackend
+    return Resilient(_module(settings.kind).Prober(settings), settings)
 
-    kinds: dict[str, type[OpenAICompatBackend]] = {"openai": OpenAICompatBackend, "vllm": VLLMServerBackend}
-    return kinds[cfg.kind](cfg)
+
+def examples() -> list[str]:
+    """The commented config blocks the kinds offer, in registry order (the first one active)."""
+    return [m.EXAMPLE for m in map(_module, KINDS) if hasattr(m, "EXAMPLE")]
+
+
+def engine_version(kind: str, stack: dict[str, str]) -> str:
+    """The engine version a stack names, by the kind's own field ("" when the kind has none)."""
+    field = getattr(_module(kind), "ENGINE_VERSION_FIELD", None) if kind in KINDS else None
+    return stack.get(field, "") if field else ""

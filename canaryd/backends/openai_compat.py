@@ -1,195 +1,55 @@
-"""Any OpenAI-compatible API (OpenAI, OpenRouter, Together, SGLang, llama.cpp server, vLLM …).
+"""Kind ``openai``: any OpenAI-compatible API (OpenAI, OpenRouter, Together, SGLang, llama.cpp server …).
 
 Requests go through the official ``openai`` client with ``max_retries=0`` and explicit timeouts: a
-canary must see every failure, not have the SDK retry it away. We read the raw JSON ourselves so a
-malformed body becomes a named error instead of a half-filled object.
+canary must see every failure, not have the SDK retry it away (the shared `Resilient` wrapper retries,
+visibly). The body is read raw and parsed by `openai_wire`, so a malformed one is a named error.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
-import httpx2
-import openai
-
-from canaryd.backends import BackendUnavailable
-from canaryd.breaker import CircuitBreaker, RetryPolicy
+from canaryd.backends import openai_wire as wire
+from canaryd.backends.base import BackendUnavailable, HttpSettings
 from canaryd.canaries import Canary
-from canaryd.config import BackendConfig
-from canaryd.observation import ErrorKind, Observation, TokenLogprob
-from canaryd.store import utcnow
+from canaryd.observation import ErrorKind, Observation, utcnow
 
-# Response headers worth keeping with each observation (never credentials or cookies).
-RECORDED_HEADERS = (
-    "server",
-    "openai-version",
-    "openai-processing-ms",
-    "openai-model",
-    "x-request-id",
-    "retry-after",
-    "via",
-)
-# Headers that identify the serving side; they join the stack snapshot, so they must be stable per stack.
-IDENTITY_HEADERS = ("server", "openai-version", "openai-model", "x-openrouter-provider")
+if TYPE_CHECKING:
+    import httpx2
+    import openai
 
-
-def _keep_header(name: str) -> bool:
-    return name in RECORDED_HEADERS or name.startswith("x-ratelimit-")
+EXAMPLE = """\
+# Any OpenAI-compatible API: OpenAI, OpenRouter, Together, SGLang, llama.cpp server ...
+# The key is read from the environment variable named here (or from api_key_file, e.g. a systemd
+# credential); it never goes in this file, the database, the logs or the metrics.
+# [[backends]]
+# name = "openai-gpt"
+# kind = "openai"
+# base_url = "https://api.openai.com/v1"
+# model = "gpt-4.1-mini"
+# api_key_env = "OPENAI_API_KEY"
+"""
 
 
-# Request fields the openai SDK takes as keyword arguments; the rest travel in extra_body.
-_SDK_PARAMS = frozenset(
-    {
-        "model",
-        "messages",
-        "prompt",
-        "temperature",
-        "top_p",
-        "max_tokens",
-        "n",
-        "seed",
-        "stop",
-        "logprobs",
-        "top_logprobs",
-        "presence_penalty",
-        "frequency_penalty",
-    }
-)
+class Settings(HttpSettings):
+    kind: Literal["openai"] = "openai"
 
 
-def _seconds(value: str | None) -> float | None:
-    """A Retry-After header in seconds (the HTTP-date form is rare for APIs and treated as absent)."""
-    try:
-        return float(value) if value is not None else None
-    except ValueError:
-        return None
-
-
-class InvalidResponse(Exception):
-    """The server answered 2xx with a body we cannot use; the message names the field."""
-
-
-@dataclass(frozen=True, slots=True)
-class Parsed:
-    """What canaryd takes from a completion body; ``tokens`` is None when the server sent no logprobs."""
-
-    text: str | None
-    tokens: list[TokenLogprob] | None
-    finish_reason: str | None
-    prompt_tokens: int | None
-    completion_tokens: int | None
-    system_fingerprint: str | None
-    model: str | None
-    service_tier: str | None
-
-
-def _typed(value: Any, kind: type | tuple[type, ...], where: str, optional: bool = True) -> Any:
-    """``value`` if it has the expected JSON type (or is absent and optional), else `InvalidResponse`."""
-    if value is None and optional:
-        return None
-    if (isinstance(value, bool) and kind is int) or not isinstance(value, kind):
-        raise InvalidResponse(f"response field {where} has type {type(value).__name__}")
-    return value
-
-
-def _envelope(body: Any) -> tuple[dict, Parsed]:
-    """The first choice, and the fields common to chat and legacy completions."""
-    body = _typed(body, dict, "(body)", optional=False)
-    choices = _typed(body.get("choices"), list, "choices", optional=False)
-    if not choices:
-        raise InvalidResponse("response has no choices")
-    choice = _typed(choices[0], dict, "choices.0", optional=False)
-    usage = _typed(body.get("usage"), dict, "usage") or {}
-    return choice, Parsed(
-        text=None,
-        tokens=None,
-        finish_reason=_typed(choice.get("finish_reason"), str, "choices.0.finish_reason"),
-        prompt_tokens=_typed(usage.get("prompt_tokens"), int, "usage.prompt_tokens"),
-        completion_tokens=_typed(usage.get("completion_tokens"), int, "usage.completion_tokens"),
-        system_fingerprint=_typed(body.get("system_fingerprint"), str, "system_fingerprint"),
-        model=_typed(body.get("model"), str, "model"),
-        service_tier=_typed(body.get("service_tier"), str, "service_tier"),
-    )
-
-
-def _token_ids(choice: dict) -> list | None:
-    ids = choice.get("token_ids")  # vLLM with return_token_ids
-    return ids if isinstance(ids, list) else None
-
-
-def parse_chat(body: Any) -> Parsed:
-    """A chat completion body."""
-    choice, parsed = _envelope(body)
-    message = _typed(choice.get("message"), dict, "choices.0.message") or {}
-    text = _typed(message.get("content"), str, "choices.0.message.content")
-    logprobs = _typed(choice.get("logprobs"), dict, "choices.0.logprobs") or {}
-    content = _typed(logprobs.get("content"), list, "choices.0.logprobs.content")
-    if content is None:
-        return replace(parsed, text=text)
-    ids = _token_ids(choice)
-    tokens = []
-    for i, c in enumerate(content):
-        try:
-            tokens.append(
-                TokenLogprob(
-                    token=str(c["token"]),
-                    logprob=float(c["logprob"]),
-                    token_id=int(ids[i]) if ids is not None and i < len(ids) else None,
-                    bytes=tuple(int(b) for b in c["bytes"]) if c.get("bytes") is not None else None,
-                    top=tuple((str(t["token"]), float(t["logprob"])) for t in c.get("top_logprobs") or ()),
-                )
-            )
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise InvalidResponse(
-                f"choices.0.logprobs.content.{i}: malformed ({e.__class__.__name__})"
-            ) from None
-    return replace(parsed, text=text, tokens=tokens)
-
-
-def parse_completion(body: Any) -> Parsed:
-    """A legacy completion body (``logprobs`` as parallel lists)."""
-    choice, parsed = _envelope(body)
-    text = _typed(choice.get("text"), str, "choices.0.text")
-    lp = _typed(choice.get("logprobs"), dict, "choices.0.logprobs") or {}
-    if lp.get("tokens") is None:
-        return replace(parsed, text=text)
-    ids = _token_ids(choice)
-    try:
-        tops = lp.get("top_logprobs") or [None] * len(lp["tokens"])
-        tokens = [
-            TokenLogprob(
-                token=str(tok),
-                logprob=float(val),
-                token_id=int(ids[i]) if ids is not None and i < len(ids) else None,
-                top=tuple((str(t), float(v)) for t, v in (top or {}).items()),
-            )
-            for i, (tok, val, top) in enumerate(zip(lp["tokens"], lp["token_logprobs"], tops, strict=True))
-        ]
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise InvalidResponse(f"choices.0.logprobs: malformed ({e.__class__.__name__})") from None
-    return replace(parsed, text=text, tokens=tokens)
-
-
-def request_hash(body: dict) -> str:
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
-
-
-class OpenAICompatBackend:
-    """Kind ``openai``: the serving side is known only by what responses say about themselves."""
+class Prober:
+    """The serving side is known only by what responses say about themselves."""
 
     kind = "openai"
 
-    def __init__(self, cfg: BackendConfig) -> None:
+    def __init__(self, cfg: HttpSettings) -> None:
+        import httpx2
+        import openai
+
         self.cfg = cfg
         self.name = cfg.name
         self.concurrency = cfg.concurrency
-        self.retry = RetryPolicy(cfg.retries, cfg.retry_backoff, cfg.retry_max_wait)
-        self.breaker = CircuitBreaker(cfg.breaker_failures, cfg.breaker_cooldown)
         self._key = cfg.api_key()
         timeout = httpx2.Timeout(cfg.timeout_s, connect=cfg.connect_timeout_s)
         self.http = httpx2.Client(
@@ -212,12 +72,12 @@ class OpenAICompatBackend:
     def snapshot(self) -> dict[str, str]:
         return {"backend.kind": self.kind, "request.model": self.cfg.model}
 
-    def response_stack(self, r: Parsed, headers: httpx2.Headers) -> dict[str, str]:
+    def response_stack(self, r: wire.Parsed, headers: httpx2.Headers) -> dict[str, str]:
         """Per-response serving facts: they join the backend snapshot in the observation's stack."""
         fields = {"response.model": str(r.model), "response.system_fingerprint": str(r.system_fingerprint)}
         if r.service_tier is not None:
             fields["response.service_tier"] = r.service_tier
-        fields.update({f"header.{h}": headers[h] for h in IDENTITY_HEADERS if h in headers})
+        fields.update({f"header.{h}": headers[h] for h in wire.IDENTITY_HEADERS if h in headers})
         return fields
 
     # -- probing ------------------------------------------------------------------------------------
@@ -225,87 +85,30 @@ class OpenAICompatBackend:
         """Engine-specific request fields (none for the generic OpenAI API)."""
         return {}
 
-    def request_body(self, canary: Canary) -> dict:
-        d = canary.decoding
-        body: dict[str, Any] = {
-            "model": self.cfg.model,
-            "temperature": d.temperature,
-            "top_p": d.top_p,
-            "max_tokens": d.max_tokens,
-            "n": 1,
-            "presence_penalty": 0.0,
-            "frequency_penalty": 0.0,
-        }
-        if d.seed is not None:
-            body["seed"] = d.seed
-        if d.stop:
-            body["stop"] = list(d.stop)
-        if canary.messages is not None:
-            body["messages"] = [m.model_dump() for m in canary.messages]
-            body["logprobs"] = True
-            body["top_logprobs"] = d.top_logprobs
-        else:
-            body["prompt"] = canary.prompt
-            body["logprobs"] = d.top_logprobs
-        return {**body, **self.extra_params(canary)}
+    def request(self, canary: Canary) -> dict:
+        return {**wire.request_body(self.cfg.model, canary), **self.extra_params(canary)}
 
     def request_hash(self, canary: Canary) -> str:
-        return request_hash(self.request_body(canary))
+        return wire.request_hash(self.request(canary))
 
-    def probe(self, canary: Canary) -> Observation:
-        """Send one canary, retrying transient failures; never raises."""
-        body = self.request_body(canary)
-        started = utcnow()
-        if not self.breaker.allow():
-            obs = self._observation(canary, body, started)
-            obs.error_kind, obs.attempts = ErrorKind.CIRCUIT_OPEN, 0
-            obs.error = f"not sent: {self.breaker.failures}+ failed probes in a row, cooling down"
-            return obs
-        attempt = 1
-        while True:
-            obs = self._attempt(canary, body, started)
-            obs.attempts = attempt
-            if (
-                obs.ok
-                or obs.error_kind is None
-                or not obs.error_kind.retryable
-                or attempt > self.retry.retries
-            ):
-                break
-            retry_after = _seconds(obs.headers.get("retry-after"))
-            time.sleep(self.retry.wait_s(attempt, retry_after))
-            attempt += 1
-        if attempt > 1 and obs.error:
-            obs.error = f"{obs.error} (after {attempt} attempts)"
-        # Only transport-level failures trip the breaker: a malformed answer is the backend's answer.
-        self.breaker.record(obs.ok or not obs.error_kind.retryable)  # type: ignore[union-attr]
-        return obs
+    def attempt(self, canary: Canary) -> Observation:
+        import openai
 
-    def _observation(self, canary: Canary, body: dict, started) -> Observation:
-        return Observation(
-            backend=self.name,
-            canary_id=canary.id,
-            suite=canary.suite,
-            started_at=started,
-            request=body,
-            request_hash=request_hash(body),
-        )
-
-    def _attempt(self, canary: Canary, body: dict, started) -> Observation:
-        obs = self._observation(canary, body, started)
-        kwargs = {k: v for k, v in body.items() if k in _SDK_PARAMS}
-        extra = {k: v for k, v in body.items() if k not in _SDK_PARAMS}
+        body = self.request(canary)
+        obs = Observation(self.name, canary.id, canary.suite, utcnow(), body, wire.request_hash(body))
+        kwargs = {k: v for k, v in body.items() if k in wire.SDK_PARAMS}
+        extra = {k: v for k, v in body.items() if k not in wire.SDK_PARAMS}
         endpoint = self.client.chat.completions if canary.messages is not None else self.client.completions
-        parse: Callable = parse_chat if canary.messages is not None else parse_completion
+        parse: Callable = wire.parse_chat if canary.messages is not None else wire.parse_completion
         t0 = time.perf_counter()
         try:
             raw = endpoint.with_raw_response.create(**kwargs, extra_body=extra or None)
             obs.latency_s = time.perf_counter() - t0
-            obs.headers = {k: v for k, v in raw.headers.items() if _keep_header(k.lower())}
+            obs.headers = {k: v for k, v in raw.headers.items() if wire.keep_header(k.lower())}
             try:
                 payload = json.loads(raw.text)
             except ValueError as e:
-                raise InvalidResponse(f"body is not JSON ({e})") from None
+                raise wire.InvalidResponse(f"body is not JSON ({e})") from None
             r = parse(payload)
             obs.text, obs.system_fingerprint, obs.response_model = r.text, r.system_fingerprint, r.model
             obs.finish_reason, obs.prompt_tokens, obs.completion_tokens = (
@@ -318,12 +121,12 @@ class OpenAICompatBackend:
                 obs.error_kind, obs.error = ErrorKind.NO_LOGPROBS, "response carries no logprobs"
             else:
                 obs.tokens = r.tokens
-        except InvalidResponse as e:
+        except wire.InvalidResponse as e:
             obs.error_kind, obs.error = ErrorKind.INVALID_RESPONSE, str(e)
         except openai.APIError as e:
             obs.error_kind, obs.error = classify(e), self.redact(_describe(e))
             if isinstance(e, openai.APIStatusError):
-                obs.headers = {k: v for k, v in e.response.headers.items() if _keep_header(k.lower())}
+                obs.headers = {k: v for k, v in e.response.headers.items() if wire.keep_header(k.lower())}
         obs.latency_s = obs.latency_s or time.perf_counter() - t0
         return obs
 
@@ -331,8 +134,10 @@ class OpenAICompatBackend:
         """Belt and braces: a server that echoes our key back must not get it into the store."""
         return message.replace(self._key, "<redacted>") if self._key else message
 
-    def request(self, method: str, url: str, **kwargs: Any) -> httpx2.Response:
+    def call(self, method: str, url: str, **kwargs: Any) -> httpx2.Response:
         """A raw call to an introspection endpoint; connection failures mean the backend is down."""
+        import httpx2
+
         try:
             r = self.http.request(method, url, **kwargs)
         except httpx2.TimeoutException as e:
@@ -348,6 +153,9 @@ class OpenAICompatBackend:
 
 
 def classify(e: openai.APIError) -> ErrorKind:
+    import httpx2
+    import openai
+
     if isinstance(e, openai.APITimeoutError):
         return ErrorKind.TIMEOUT
     if isinstance(e, openai.APIConnectionError):
@@ -363,6 +171,8 @@ def classify(e: openai.APIError) -> ErrorKind:
 
 
 def _describe(e: openai.APIError) -> str:
+    import openai
+
     if isinstance(e, openai.APIStatusError):
         return f"HTTP {e.status_code}: {str(e.message)[:300]}"
     return f"{e.__class__.__name__}: {str(e)[:300]}"

@@ -35,18 +35,37 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import structlog
+from pydantic import Field
 
 from canaryd import hostfacts
-from canaryd.backends import BackendUnavailable
-from canaryd.backends.openai_compat import request_hash
+from canaryd.backends.base import BackendSettings, BackendUnavailable
+from canaryd.backends.openai_wire import request_hash
 from canaryd.backends.vllm_server import TEMPLATE_PROBE
 from canaryd.canaries import Canary
-from canaryd.config import BackendConfig
-from canaryd.observation import ErrorKind, Observation, TokenLogprob
-from canaryd.store import utcnow
+from canaryd.observation import ErrorKind, Observation, TokenLogprob, utcnow
+
+EXAMPLE = """\
+# vLLM in-process: the exact engine a benchmark will use (whole-stack snapshot, batch size 1).
+# [[backends]]
+# name = "bench-stack"
+# kind = "vllm-offline"
+# model = "/models/llama-3-8b"              # path or id given to vllm.LLM
+# engine = { dtype = "bfloat16", max_model_len = 4096, enforce_eager = true, seed = 0 }
+# env = { VLLM_BATCH_INVARIANT = "1" }      # set before the engine starts
+"""
+ENGINE_VERSION_FIELD = "vllm.version"
+
+
+class Settings(BackendSettings):
+    kind: Literal["vllm-offline"] = "vllm-offline"
+    # keyword arguments for vllm.LLM (dtype, quantization, kv_cache_dtype, enforce_eager, seed,
+    # max_model_len, ...) and environment variables set before the engine starts (VLLM_BATCH_INVARIANT, ...)
+    engine: dict[str, str | int | float | bool] = Field(default_factory=dict)
+    env: dict[str, str] = Field(default_factory=dict)
+
 
 # Resolved engine settings that can change numerics (or the fingerprint), by VllmConfig section.
 # Volatile ones (memory-derived block counts, ports, paths of caches) are left out on purpose.
@@ -174,10 +193,10 @@ def _redact_args(args: dict[str, Any]) -> dict[str, Any]:
     return {k: (REDACTED if hostfacts.is_secret_name(k) else v) for k, v in args.items()}
 
 
-class VLLMOfflineBackend:
+class Prober:
     kind = "vllm-offline"
 
-    def __init__(self, cfg: BackendConfig) -> None:
+    def __init__(self, cfg: Settings) -> None:
         self.cfg = cfg
         self.name = cfg.name
         self.concurrency = 1  # probes are serialized anyway (see the module docstring)
@@ -299,7 +318,7 @@ class VLLMOfflineBackend:
             "stop": list(d.stop) if d.stop else None,
         }
 
-    def request_body(self, canary: Canary) -> tuple[dict, str]:
+    def _request(self, canary: Canary) -> tuple[dict, str]:
         """The request as recorded, and its hash over what the canary decides (model, input, sampling).
 
         Engine args and env are recorded but not hashed: a changed engine is a stack change to detect,
@@ -317,11 +336,14 @@ class VLLMOfflineBackend:
         }
         return body, request_hash(core)
 
-    def request_hash(self, canary: Canary) -> str:
-        return self.request_body(canary)[1]
+    def request(self, canary: Canary) -> dict:
+        return self._request(canary)[0]
 
-    def probe(self, canary: Canary) -> Observation:
-        body, rhash = self.request_body(canary)
+    def request_hash(self, canary: Canary) -> str:
+        return self._request(canary)[1]
+
+    def attempt(self, canary: Canary) -> Observation:
+        body, rhash = self._request(canary)
         obs = Observation(
             backend=self.name,
             canary_id=canary.id,

@@ -23,11 +23,12 @@ import json
 import re
 import subprocess
 from pathlib import Path
+from typing import Literal
 
-import httpx2
-
-from canaryd.backends.openai_compat import OpenAICompatBackend
+from canaryd.backends import openai_compat
+from canaryd.backends.base import HttpSettings
 from canaryd.canaries import Canary
+from canaryd.fields import Strict
 
 # A fixed conversation whose rendering is hashed: any tokenizer or chat-template change moves it.
 TEMPLATE_PROBE = [
@@ -56,8 +57,38 @@ def info_series(metrics_text: str) -> dict[str, str]:
     return out
 
 
-class VLLMServerBackend(OpenAICompatBackend):
+EXAMPLE = """\
+# A vLLM OpenAI-compatible server. canaryd also reads /version, /v1/models, /metrics and /tokenize
+# to snapshot the serving stack.
+[[backends]]
+name = "local-vllm"
+kind = "vllm"
+base_url = "http://127.0.0.1:8000/v1"
+model = "my-model"          # the served model name
+# api_key_env = "VLLM_API_KEY" # if the server was started with --api-key
+timeout_s = 60               # per request
+concurrency = 4              # canaries in flight at once on this backend
+"""
+# Stack sections in the order `explain` suggests reverting them: what is set before what it implies.
+CAUSE_ORDER = ("vllm", "metrics", "models", "template", "host")
+ENGINE_VERSION_FIELD = "vllm.version"
+
+
+class HostProbe(Strict):
+    """Facts about a vLLM server's host, gathered when canaryd runs on that host (off by default)."""
+
+    python: Path  # the serving venv's interpreter, e.g. /opt/vllm/bin/python
+    model_dir: Path | None = None  # weights directory to hash (default: the server's /v1/models root)
+
+
+class Settings(HttpSettings):
+    kind: Literal["vllm"] = "vllm"
+    host_probe: HostProbe | None = None
+
+
+class Prober(openai_compat.Prober):
     kind = "vllm"
+    cfg: Settings
 
     @property
     def root(self) -> str:
@@ -122,18 +153,20 @@ class VLLMServerBackend(OpenAICompatBackend):
 
     def _section(self, name: str, read) -> dict[str, str]:
         """One introspection endpoint; an HTTP error is recorded as a field (it is a change too)."""
+        from httpx2 import HTTPStatusError
+
         try:
             return read()
-        except httpx2.HTTPStatusError as e:
+        except HTTPStatusError as e:
             return {f"{name}.error": f"HTTP {e.response.status_code}"}
         except (ValueError, KeyError, TypeError) as e:
             return {f"{name}.error": f"unreadable: {e.__class__.__name__}"}
 
     def _version(self) -> dict[str, str]:
-        return {"vllm.version": str(self.request("GET", f"{self.root}/version").json()["version"])}
+        return {"vllm.version": str(self.call("GET", f"{self.root}/version").json()["version"])}
 
     def _models(self) -> dict[str, str]:
-        cards = self.request("GET", f"{self.cfg.base_url}/models").json()["data"]
+        cards = self.call("GET", f"{self.cfg.base_url}/models").json()["data"]
         out = {"models.served": ",".join(sorted(str(c["id"]) for c in cards))}
         for card in cards:
             if card["id"] == self.cfg.model:
@@ -142,10 +175,10 @@ class VLLMServerBackend(OpenAICompatBackend):
         return out
 
     def _metrics(self) -> dict[str, str]:
-        return info_series(self.request("GET", f"{self.root}/metrics").text)
+        return info_series(self.call("GET", f"{self.root}/metrics").text)
 
     def _template(self) -> dict[str, str]:
-        r = self.request(
+        r = self.call(
             "POST",
             f"{self.root}/tokenize",
             json={"model": self.cfg.model, "messages": TEMPLATE_PROBE, "add_generation_prompt": True},

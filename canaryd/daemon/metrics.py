@@ -25,10 +25,11 @@ from prometheus_client import (
     disable_created_metrics,
 )
 
-from canaryd.compare import Verdict
+from canaryd.backends import engine_version
+from canaryd.judge.compare import Verdict
+from canaryd.judge.stats import DetectorState
 from canaryd.observation import ErrorKind
-from canaryd.probe import BackendRun
-from canaryd.stats import DetectorState
+from canaryd.probe.run import BackendRun
 
 PROBE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -279,7 +280,7 @@ class Metrics:
         labels = (
             b,
             run.kind,
-            run.stack.get("vllm.version", ""),
+            engine_version(run.kind, run.stack),
             fingerprint,
             run.stack.get("response.model", run.stack.get("request.model", "")),
             run.stack_hash,

@@ -14,19 +14,15 @@ from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
 from itertools import pairwise
 
-from canaryd.compare import Verdict, token_delta
+from canaryd.backends import REVERT_FIRST, REVERT_LAST
 from canaryd.errors import InputError
+from canaryd.judge.compare import Verdict, token_delta
 from canaryd.observation import Observation
-from canaryd.pin import Pin, check_pin
+from canaryd.report.pin import Pin, check_pin
 from canaryd.stack import FieldChange, diff, merge_stacks, stack_hash
 from canaryd.store import ObservationRow, Store
 
 RECORD_FORMAT = "canaryd-record/1"
-# Revert order when several fields moved at once: settings that are cheapest to put back first (engine
-# arguments, environment, cache config), then versions, weights, tokenizer and hardware. Fields a server
-# reports about itself (response.*, header.*) come last: they follow the others and cannot be set back.
-_REVERT_FIRST = ("engine", "env", "metrics", "vllm", "packages", "torch", "python", "models", "model")
-_REVERT_LAST = ("template", "gpu", "cpu", "os", "request", "backend", "header", "response")
 
 
 def iso(t: datetime) -> str:
@@ -54,11 +50,11 @@ def last_flip(verdicts: Iterable[tuple[int, str]]) -> tuple[int, int] | None:
 
 def _rank(field: str) -> int:
     head = next((s for s in field.split(".") if s != "host"), "")
-    if head in _REVERT_FIRST:
-        return _REVERT_FIRST.index(head)
-    if head in _REVERT_LAST:
-        return len(_REVERT_FIRST) + 1 + _REVERT_LAST.index(head)
-    return len(_REVERT_FIRST)  # unknown families: after the settings, before the derived fields
+    if head in REVERT_FIRST:
+        return REVERT_FIRST.index(head)
+    if head in REVERT_LAST:
+        return len(REVERT_FIRST) + 1 + REVERT_LAST.index(head)
+    return len(REVERT_FIRST)  # unknown families: after the settings, before the derived fields
 
 
 def _shown(v: str | None) -> str:

@@ -15,9 +15,8 @@ from dataclasses import dataclass, replace
 
 from canaryd.backends import Backend
 from canaryd.canaries import STEP_REF, Canary, Message, Step
-from canaryd.compare import Comparison, Verdict
-from canaryd.observation import Observation
-from canaryd.store import utcnow
+from canaryd.judge.compare import Comparison, Verdict
+from canaryd.observation import Observation, utcnow
 
 # A step "diverged" when its own output moved; a stack change alone (or noise) moved nothing it said.
 DIVERGED = frozenset({Verdict.REGRESSION, Verdict.ANSWER_DRIFT, Verdict.LOGPROB_DRIFT})

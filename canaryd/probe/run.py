@@ -14,16 +14,16 @@ import structlog
 
 from canaryd.backends import Backend, BackendUnavailable, make_backend
 from canaryd.canaries import Canary, Suite, load_suites
-from canaryd.chain import mark_divergence, run_chain
-from canaryd.compare import Comparison, Decision, compare, decide
 from canaryd.config import Config
-from canaryd.observation import Observation
-from canaryd.sampled import draw_samples, judge_samples
+from canaryd.judge.compare import Comparison, Decision, compare, decide
+from canaryd.judge.sampled import draw_samples, judge_samples
+from canaryd.judge.stats import DetectorState
+from canaryd.observation import Observation, utcnow
+from canaryd.probe.chain import mark_divergence, run_chain
 from canaryd.stack import merge_stacks, stack_hash
-from canaryd.stats import DetectorState
-from canaryd.store import Store, utcnow
+from canaryd.store import Store
 
-log = structlog.get_logger("canaryd.probe")
+log = structlog.get_logger("canaryd.probe.run")
 
 
 @dataclass(frozen=True, slots=True)

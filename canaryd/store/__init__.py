@@ -38,7 +38,7 @@ import threading
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import TypeVar
 
@@ -49,11 +49,11 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import aliased
 from sqlmodel import Field, Session, SQLModel, col, create_engine, select
 
-from canaryd.compare import Comparison
 from canaryd.errors import InputError
-from canaryd.observation import ErrorKind, Observation, TokenLogprob
+from canaryd.judge.compare import Comparison
+from canaryd.judge.stats import DetectorState, NoiseModel
+from canaryd.observation import ErrorKind, Observation, TokenLogprob, utcnow
 from canaryd.stack import stack_hash as hash_of
-from canaryd.stats import DetectorState, NoiseModel
 
 PAYLOAD_FORMAT = 1
 log = structlog.get_logger("canaryd.store")
@@ -62,10 +62,6 @@ T = TypeVar("T")
 
 class SchemaMismatch(SQLAlchemyError):
     """The database predates migrations, or a newer canaryd migrated it (exit 4, one line)."""
-
-
-def utcnow() -> datetime:
-    return datetime.now(UTC)
 
 
 def _digest(data: bytes) -> str:

@@ -64,10 +64,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from canaryd.canaries import Canary, Expect
-from canaryd.compare import Comparison, Evidence, Verdict
+from canaryd.judge.compare import Comparison, Evidence, Verdict
+from canaryd.judge.stats import p_to_e
 from canaryd.observation import Observation
 from canaryd.stack import diff, merge_stacks
-from canaryd.stats import p_to_e
 
 if TYPE_CHECKING:
     from canaryd.backends import Backend

@@ -21,9 +21,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from canaryd.observation import Observation, TokenLogprob
-from canaryd.stack import FieldChange, diff
-from canaryd.stats import (
+from canaryd.judge.stats import (
     DetectorState,
     Evidence,
     NoiseModel,
@@ -33,6 +31,8 @@ from canaryd.stats import (
     out_bound,
     score,
 )
+from canaryd.observation import Observation, TokenLogprob
+from canaryd.stack import FieldChange, diff
 
 __all__ = ["Comparison", "Decision", "Evidence", "TokenDelta", "Verdict", "compare", "decide", "token_delta"]
 

@@ -8,9 +8,9 @@ from collections.abc import Iterator, Sequence
 from rich.console import Console
 from rich.table import Table
 
-from canaryd.calibrate import Calibrated
-from canaryd.compare import Verdict
-from canaryd.probe import Result
+from canaryd.judge.compare import Verdict
+from canaryd.probe.calibrate import Calibrated
+from canaryd.probe.run import Result
 from canaryd.store import ObservationRow
 
 _STYLE = {

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 from canaryd.backends import Backend
 from canaryd.canaries import Canary
-from canaryd.census import collect, fillers_for
-from canaryd.chain import run_chain
+from canaryd.judge.stats import CalibrationError, NoiseModel, fit, score
 from canaryd.observation import Observation
-from canaryd.stats import CalibrationError, NoiseModel, fit, score
+from canaryd.probe.census import collect, fillers_for
+from canaryd.probe.chain import run_chain
 from canaryd.store import Store
 
 

@@ -37,8 +37,8 @@ from rich.table import Table
 from canaryd.backends import Backend
 from canaryd.canaries import Canary, Message
 from canaryd.errors import InputError
+from canaryd.judge.stats import common_prefix
 from canaryd.observation import Observation
-from canaryd.stats import common_prefix
 
 MAX_BATCH = 256  # the most requests a census puts in flight at once (BackendConfig.concurrency's bound)
 

@@ -28,16 +28,16 @@ from apscheduler.triggers.cron import CronTrigger
 from apscheduler.triggers.interval import IntervalTrigger
 from prometheus_client import start_http_server
 
-from canaryd import sdnotify
 from canaryd.backends import Backend, make_backend
 from canaryd.canaries import Canary, load_suites
 from canaryd.config import Config, ScheduleConfig, load_config
+from canaryd.daemon import sdnotify
+from canaryd.daemon.metrics import Metrics
 from canaryd.errors import InputError
-from canaryd.metrics import Metrics
-from canaryd.probe import plan, probe_backend
+from canaryd.probe.run import plan, probe_backend
 from canaryd.store import Store
 
-log = structlog.get_logger("canaryd.daemon")
+log = structlog.get_logger("canaryd.daemon.service")
 
 
 @dataclass

@@ -1,0 +1,122 @@
+"""What every backend kind shares: the config fields each block has, the one signature a kind implements,
+and the `Backend` the rest of canaryd sees (a kind wrapped in the shared resilience, `resilience.py`).
+
+A kind (cf. blackbox_exporter's prober) sends one request per `attempt` and describes its serving stack;
+it never retries, never counts attempts and never trips a breaker: the wrapper owns all of that, the same
+way for every kind. `attempt` never raises: a failure is an observation too, with an `ErrorKind`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Protocol
+
+from pydantic import Field, field_validator, model_validator
+
+from canaryd.canaries import ID_PATTERN, Canary
+from canaryd.errors import InputError
+from canaryd.fields import ENV_NAME, Duration, Strict
+from canaryd.observation import ErrorKind, Observation
+
+
+class BackendUnavailable(Exception):
+    """The backend could not be reached while taking its stack snapshot."""
+
+    def __init__(self, kind: ErrorKind, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class BackendSettings(Strict):
+    """The fields every ``[[backends]]`` block has; a kind subclasses it with ``kind: Literal[...]``."""
+
+    name: Annotated[str, Field(pattern=ID_PATTERN)]
+    kind: str
+    model: str  # the served model name (or what the kind's engine loads)
+    timeout_s: Annotated[float, Field(gt=0, le=3600)] = 60.0
+    concurrency: Annotated[int, Field(ge=1, le=256)] = 4
+    # Transient failures (connect, timeout, 429, 5xx, cut body) are retried this often, with exponential
+    # backoff and jitter (Retry-After honoured, capped); after breaker_failures failed probes in a row the
+    # backend is left alone for breaker_cooldown.
+    retries: Annotated[int, Field(ge=0, le=10)] = 2
+    retry_backoff: Duration = 0.5
+    retry_max_wait: Duration = 30.0
+    breaker_failures: Annotated[int, Field(ge=1, le=1000)] = 5
+    breaker_cooldown: Duration = 60.0
+
+
+class HttpSettings(BackendSettings):
+    """A kind reached over HTTP: where, and the name of the secret that opens it (never the secret)."""
+
+    base_url: str
+    api_key_env: Annotated[str | None, Field(pattern=ENV_NAME)] = None
+    api_key_file: Path | None = None
+    connect_timeout_s: Annotated[float, Field(gt=0, le=600)] = 5.0
+
+    @field_validator("base_url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        if not re.match(r"^https?://[^\s/]+", v):
+            raise ValueError("must be an http:// or https:// URL")
+        return v.rstrip("/")
+
+    @model_validator(mode="after")
+    def _one_key_source(self) -> HttpSettings:
+        if self.api_key_env and self.api_key_file:
+            raise ValueError("give at most one of api_key_env, api_key_file")
+        return self
+
+    def api_key(self) -> str | None:
+        """Read the key at the last moment; it is handed to the HTTP client and nowhere else."""
+        if self.api_key_env:
+            key = os.environ.get(self.api_key_env)
+            if not key:
+                raise InputError(f"backend {self.name!r}: environment variable {self.api_key_env} is not set")
+            return key
+        if self.api_key_file:
+            path = self.api_key_file
+            if not path.is_absolute() and os.environ.get("CREDENTIALS_DIRECTORY"):
+                path = Path(os.environ["CREDENTIALS_DIRECTORY"]) / path
+            try:
+                return path.read_text(encoding="utf-8").strip()
+            except OSError as e:
+                raise InputError(
+                    f"backend {self.name!r}: cannot read api_key_file {path}: {e.strerror}"
+                ) from None
+        return None
+
+
+class Prober(Protocol):
+    """The one signature a kind implements (its module registers it in `canaryd.backends.KINDS`)."""
+
+    name: str
+    kind: str
+    concurrency: int  # canaries in flight at once (a kind that serialises its probes says 1)
+
+    def snapshot(self) -> dict[str, str]:
+        """Serving-side facts, flat and stable (no timestamps). Raises `BackendUnavailable`."""
+        ...
+
+    def request(self, canary: Canary) -> dict:
+        """The exact request body `attempt` sends for this canary (minus credentials)."""
+        ...
+
+    def request_hash(self, canary: Canary) -> str:
+        """What baselines are keyed by: the hash of what the canary decides, without sending."""
+        ...
+
+    def attempt(self, canary: Canary) -> Observation:
+        """Send the canary once; always returns an observation (with ``error`` set on failure)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class Backend(Prober, Protocol):
+    """A kind as the rest of canaryd uses it: `probe` adds retries, backoff and the circuit breaker."""
+
+    def probe(self, canary: Canary) -> Observation:
+        """Send one canary with the shared resilience; never raises."""
+        ...

@@ -1,0 +1,192 @@
+"""Kind ``scripted``: a fake backend that answers from its config, for fast tests and alert drills.
+
+It goes through the real registry, config validation, resilience, probe pass, store and judgement, so
+everything but the network is exercised. Answers are tokenised one character per token with logprobs
+derived from a hash of (canary, position, character): stable across processes and restarts, like a
+deterministic engine. ``changes`` script what moves and when, counted in cycles (snapshots: one per pass):
+
+    [[backends]]
+    name = "fake"
+    kind = "scripted"
+    answers = { arith-add = "42" }            # by canary id, or by a substring of the prompt
+    [[backends.changes]]
+    at = 3                                     # from the third pass on ...
+    logprob_shift = -0.01                      # ... every logprob moves: a silent numerical shift
+    stack = { "engine.dtype" = "bfloat16" }
+
+Without an answer a canary gets its ``expect.answer`` (else ``ok``). ``noise`` adds Gaussian noise to
+every logprob of every attempt (a non-exact engine); ``distribution`` gives a sampled canary (temperature
+> 0) weighted answers, drawn from its seed when it has one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import threading
+import time
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from canaryd.backends import openai_wire as wire
+from canaryd.backends.base import BackendSettings, BackendUnavailable
+from canaryd.canaries import Canary
+from canaryd.fields import Strict
+from canaryd.observation import ErrorKind, Observation, TokenLogprob, utcnow
+
+ENGINE_VERSION_FIELD = "scripted.version"
+VERSION = "1"
+
+
+class Change(Strict):
+    """From cycle ``at`` on (until ``until``, exclusive), how the listed canaries (default: all) differ."""
+
+    at: Annotated[int, Field(ge=1)]
+    until: Annotated[int, Field(ge=2)] | None = None
+    canaries: tuple[str, ...] | None = None
+    text: str | None = None  # the answer, replaced
+    logprob_shift: float = 0.0  # added to every logprob (clamped at 0)
+    noise: Annotated[float, Field(ge=0)] | None = None
+    fingerprint: str | None = None
+    stack: dict[str, str] = Field(default_factory=dict)  # snapshot fields, added or replaced
+    prompt_tokens_delta: int = 0  # e.g. a hidden system prompt
+    logprobs: bool | None = None  # False: answers carry no logprobs
+    error: ErrorKind | None = None  # every attempt fails so ...
+    fail_attempts: Annotated[int, Field(ge=0)] | None = None  # ... or only the first N of each probe
+    down: bool = False  # the snapshot fails: the backend is unreachable
+
+    def applies(self, cycle: int, canary_id: str | None = None) -> bool:
+        in_time = self.at <= cycle and (self.until is None or cycle < self.until)
+        return in_time and (canary_id is None or self.canaries is None or canary_id in self.canaries)
+
+
+class Settings(BackendSettings):
+    kind: Literal["scripted"] = "scripted"
+    model: str = "scripted"
+    answers: dict[str, str] = Field(default_factory=dict)
+    distribution: dict[str, dict[str, Annotated[float, Field(gt=0)]]] = Field(default_factory=dict)
+    fingerprint: str = "fp_scripted"
+    stack: dict[str, str] = Field(default_factory=dict)
+    noise: Annotated[float, Field(ge=0)] = 0.0
+    seed: int = 0
+    latency_s: Annotated[float, Field(ge=0, le=60)] = 0.0
+    changes: tuple[Change, ...] = ()
+    # Where the cycle count persists, so that separate `canaryd check` processes count on (default: the
+    # count lives in the process, from 0).
+    cycle_file: Path | None = None
+
+
+def _unit(*parts: object) -> float:
+    """A stable number in [0, 1) from its parts (the same in every process, unlike ``hash``)."""
+    digest = hashlib.sha256("\x1f".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+class Prober:
+    def __init__(self, cfg: Settings) -> None:
+        self.cfg = cfg
+        self.name, self.kind, self.concurrency = cfg.name, "scripted", cfg.concurrency
+        self.cycle = 0
+        self._attempts: dict[tuple[int, str], int] = {}
+        self._draws = 0
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        pass
+
+    def _active(self, canary_id: str | None = None) -> list[Change]:
+        return [c for c in self.cfg.changes if c.applies(max(1, self.cycle), canary_id)]
+
+    def snapshot(self) -> dict[str, str]:
+        with self._lock:
+            f = self.cfg.cycle_file
+            if f is not None:
+                self.cycle = int(f.read_text() or 0) if f.exists() else 0
+            self.cycle += 1
+            if f is not None:
+                f.write_text(str(self.cycle))
+        fields = {"backend.kind": self.kind, "request.model": self.cfg.model, "scripted.version": VERSION}
+        fields.update(self.cfg.stack)
+        for change in self._active():
+            if change.down:
+                raise BackendUnavailable(ErrorKind.CONNECT, f"scripted backend {self.name!r} is down")
+            fields.update(change.stack)
+        return fields
+
+    def request(self, canary: Canary) -> dict:
+        return wire.request_body(self.cfg.model, canary)
+
+    def request_hash(self, canary: Canary) -> str:
+        return wire.request_hash(self.request(canary))
+
+    def attempt(self, canary: Canary) -> Observation:
+        body = self.request(canary)
+        obs = Observation(self.name, canary.id, canary.suite, utcnow(), body, wire.request_hash(body))
+        active = self._active(canary.id)
+        with self._lock:
+            key = (self.cycle, f"{canary.id}\x1f{wire.request_hash(body)}")
+            n = self._attempts[key] = self._attempts.get(key, 0) + 1
+            self._draws += 1
+            draw = self._draws
+        time.sleep(self.cfg.latency_s)
+        obs.latency_s = self.cfg.latency_s
+        for change in active:
+            if change.error is not None and (change.fail_attempts is None or n <= change.fail_attempts):
+                obs.error_kind, obs.error = change.error, f"scripted {change.error.value}"
+                if change.error is ErrorKind.RATE_LIMITED:
+                    obs.headers = {"retry-after": "0"}
+                return obs
+        text = self._answer(canary, active, draw)
+        shift = sum(c.logprob_shift for c in active)
+        noise = next((c.noise for c in reversed(active) if c.noise is not None), self.cfg.noise)
+        rng = random.Random(f"{self.cfg.seed}:{canary.id}:{draw}")
+        d = canary.decoding
+        chars = list(text)[: d.max_tokens]
+        obs.tokens = [
+            self._token(canary.id, i, ch, d.top_logprobs, shift, noise, rng) for i, ch in enumerate(chars)
+        ]
+        obs.text = "".join(chars)
+        obs.finish_reason = "length" if len(chars) < len(text) else "stop"
+        prompt = canary.prompt or "".join(m.content for m in canary.messages or ())
+        obs.prompt_tokens = len(prompt) + sum(c.prompt_tokens_delta for c in active)
+        obs.completion_tokens = len(chars)
+        fingerprint = next((c.fingerprint for c in reversed(active) if c.fingerprint), self.cfg.fingerprint)
+        obs.system_fingerprint, obs.response_model = fingerprint, self.cfg.model
+        obs.stack = {"response.model": self.cfg.model, "response.system_fingerprint": fingerprint}
+        if any(c.logprobs is False for c in active):
+            obs.tokens = []
+            obs.error_kind, obs.error = ErrorKind.NO_LOGPROBS, "response carries no logprobs"
+        return obs
+
+    def _answer(self, canary: Canary, active: list[Change], draw: int) -> str:
+        scripted = next((c.text for c in reversed(active) if c.text is not None), None)
+        if scripted is not None:
+            return scripted
+        d = canary.decoding
+        weights = self.cfg.distribution.get(canary.id)
+        if weights and d.temperature > 0:
+            rng = random.Random(f"{canary.id}:{d.seed}" if d.seed is not None else f"{canary.id}:#{draw}")
+            return rng.choices(list(weights), weights=list(weights.values()))[0]
+        if canary.id in self.cfg.answers:
+            return self.cfg.answers[canary.id]
+        prompt = canary.prompt or " ".join(m.content for m in canary.messages or ())
+        for needle, answer in self.cfg.answers.items():
+            if needle in prompt:
+                return answer
+        return canary.expect.answer if canary.expect and canary.expect.answer else "ok"
+
+    @staticmethod
+    def _token(
+        cid: str, i: int, ch: str, k: int, shift: float, noise: float, rng: random.Random
+    ) -> TokenLogprob:
+        def lp(base: float) -> float:
+            return min(0.0, base + shift + (rng.gauss(0.0, noise) if noise else 0.0))
+
+        base = -0.05 - 2.0 * _unit(cid, i, ch)
+        alternatives = [chr(0x61 + int(26 * _unit(cid, i, ch, j))) for j in range(k)]
+        top = [(ch, lp(base))] + [
+            (a, lp(base - 1.0 - j)) for j, a in enumerate(alternatives[: max(0, k - 1)])
+        ]
+        return TokenLogprob(ch, top[0][1], ord(ch), tuple(ch.encode()), tuple(top[:k]))
