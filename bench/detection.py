@@ -13,8 +13,8 @@ Six short canaries of the shipped suite go through canaryd's own vLLM backend. M
 per-test false-alarm rate ``--alpha``:
 
   canaryd           K probes per canary on the baseline server, alone and in filler-crowded batches
-                    (`calibrate.probes`, as ``baseline calibrate`` sends them), `stats.fit` per canary. A test
-                    of r probes per canary is r cycles of `compare` + `decide` from a fresh detector; it
+                    (`calibration_probes`, as ``baseline calibrate`` sends them), `stats.fit` per canary. A
+                    test of r probes per canary is r cycles of `compare` + `decide` from a fresh detector; it
                     detects when the backend's alarm is on after them.
   exact match       text only: any greedy text differs from the baseline's.
   two-sample        text only: r answers per prompt sampled at temperature 1 against r baseline answers,
@@ -77,7 +77,7 @@ from canaryd.judge.stats import DetectorState, NoiseModel, fit  # noqa: E402
 from canaryd.lab.tinymodel import build_tiny_model, perturb_weights  # noqa: E402
 from canaryd.lab.vllm_process import VLLMServer  # noqa: E402
 from canaryd.observation import Observation  # noqa: E402
-from canaryd.probe.calibrate import probes as calibration_probes  # noqa: E402
+from canaryd.probe.shapes import shape_of  # noqa: E402
 
 CACHE = REPO / ".cache" / "bench-models"
 CANARY_IDS = (
@@ -245,7 +245,7 @@ def greedy_probes(backend: Backend, canaries: Sequence[Canary], n: int) -> dict[
     """n probes per canary over the configured load levels, as ``baseline calibrate`` sends them."""
     sizes = CompareConfig().calibration_batch_sizes
     return {
-        c.id: ok(calibration_probes(backend, c, canaries, k=n, batch_sizes=sizes)[c.id], c.id)
+        c.id: ok(shape_of(c).calibration_probes(backend, c, canaries, k=n, batch_sizes=sizes)[c.id], c.id)
         for c in canaries
     }
 

@@ -24,9 +24,10 @@ from canaryd.errors import InputError
 from canaryd.judge.compare import Comparison, Verdict
 from canaryd.judge.stats import DetectorState
 from canaryd.observation import ErrorKind, Observation
-from canaryd.probe.calibrate import calibrate, probes
+from canaryd.probe.calibrate import calibrate
 from canaryd.probe.chain import first_divergence, mark_divergence, render, run_chain, step_canary
 from canaryd.probe.run import plan, probe_all, run_pass
+from canaryd.probe.shapes import shape_of
 from canaryd.store import Store
 
 REPO = Path(__file__).resolve().parents[1]
@@ -399,9 +400,10 @@ def test_a_cycle_reports_the_stored_alarm_and_a_step_held_within_noise_is_not_th
         assert store.fold_detector("api", lambda s: (None, s)) == DetectorState()  # calibrating restarts it
         assert {c.model.k for c in saved} == {20}
         # K is K, however it splits over the load levels (7, 7, 6 here)
-        assert [
-            len(v) for v in probes(backend, canaries[1], canaries, k=20, batch_sizes=[1, 2, 4]).values()
-        ] == [20]
+        probes = shape_of(canaries[1]).calibration_probes(
+            backend, canaries[1], canaries, k=20, batch_sizes=[1, 2, 4]
+        )
+        assert [len(v) for v in probes.values()] == [20]
 
         server.shift["STEP1"] = 0.2  # 20σ under the first step only; the text does not move
         (run,) = probe_all([backend], work, store, config)

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from canaryd.canaries import Expect, load_suite
+from canaryd.config import CompareConfig
 from canaryd.errors import InputError
 from canaryd.judge.compare import Comparison, Verdict
 from canaryd.judge.sampled import (
     answer_test,
     compare_samples,
-    judge_samples,
     logprob_test,
     newcombe,
     permutations_for,
@@ -25,6 +25,7 @@ from canaryd.judge.sampled import (
 )
 from canaryd.observation import ErrorKind, Observation, TokenLogprob
 from canaryd.probe.run import Result
+from canaryd.probe.shapes import SAMPLED
 from canaryd.report.tables import results_table
 from canaryd.store import Store
 
@@ -299,13 +300,16 @@ def test_judge_samples_baselines_the_first_cycle_and_compares_sets_after(tmp_pat
     rng = random.Random(11)
 
     def cycle(observations: list[Observation]) -> list[tuple[Observation, Comparison, int | None]]:
-        # sample i carries its own request (seed + i), as draw_samples sends it
+        # sample i carries its own request (seed + i), as the sampled shape sends it
         for i, o in enumerate(observations):
             o.request_hash, o.request = f"h{i}", {"seed": i}
         observations[3] = Observation(
             "b", "c", "s", T0, {"seed": 3}, "h3", error="x", error_kind=ErrorKind.HTTP_5XX
         )
-        judged = judge_samples(store, canary, observations, alpha=0.001)
+        judged = [
+            (j.observation, j.comparison, j.baseline_id)
+            for j in SAMPLED.judge(store, CompareConfig(alpha=0.001), canary, observations)
+        ]
         run = store.start_run("b")
         for obs, comparison, baseline_id in judged:
             store.add_observation(run, obs, comparison, baseline_id)

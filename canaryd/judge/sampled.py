@@ -58,20 +58,15 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import numpy as np
 
-from canaryd.canaries import Canary, Expect
+from canaryd.canaries import Expect
 from canaryd.judge.compare import Comparison, Evidence, Verdict
 from canaryd.judge.stats import p_to_e
 from canaryd.observation import Observation
 from canaryd.stack import diff, merge_stacks
-
-if TYPE_CHECKING:
-    from canaryd.backends import Backend
-    from canaryd.store import Store
 
 Z95 = 1.959963984540054  # two-sided 95% normal quantile
 SEED = 20260  # the permutation/bootstrap RNG's seed: the same draws always give the same p-values
@@ -429,48 +424,3 @@ def compare_samples(
         reasons=tuple(reasons),
         evidence=Evidence(method, deciding.statistic, deciding.threshold, p, p_to_e(p), detail),
     )
-
-
-# -- I/O: sending and judging a sampled canary ----------------------------------------------------------
-def draw_samples(backend: Backend, canary: Canary) -> list[Observation]:
-    """The n samples of one cycle, sent one after another; sample i carries seed + i when seeded."""
-    d = canary.decoding
-    if d.seed is None:
-        return [backend.probe(canary) for _ in range(d.samples)]
-    return [
-        backend.probe(canary.model_copy(update={"decoding": d.model_copy(update={"seed": d.seed + i})}))
-        for i in range(d.samples)
-    ]
-
-
-def judge_samples(
-    store: Store, canary: Canary, observations: list[Observation], *, alpha: float
-) -> list[tuple[Observation, Comparison, int | None]]:
-    """Every sample with the set's comparison (its own correctness; a failed sample is an ``error``).
-
-    The baseline set is the run of the stored baseline observation. With pinned seeds every sample of a
-    first cycle has its own request hash, so the store may keep a later sample than the first as the
-    baseline observation: the set, and sample 0 in it, are the same either way.
-    """
-    base = store.baseline(observations[0].backend, canary.id)
-    baseline_id = base[0] if base else None
-    verdict = compare_samples(
-        store.run_set(baseline_id) if baseline_id is not None else [],
-        observations,
-        expect=canary.expect,
-        alpha=alpha,
-    )
-    out = []
-    for obs in observations:
-        if obs.ok:
-            ok = canary.expect.check(obs.text or "") if canary.expect else None
-            out.append((obs, replace(verdict, correct=ok), baseline_id))
-        else:
-            out.append(
-                (
-                    obs,
-                    Comparison(Verdict.ERROR, None, reasons=(f"{obs.error_kind}: {obs.error}",)),
-                    baseline_id,
-                )
-            )
-    return out

@@ -20,9 +20,7 @@ from dataclasses import dataclass
 from canaryd.backends import Backend
 from canaryd.canaries import Canary
 from canaryd.judge.stats import CalibrationError, NoiseModel, fit, score
-from canaryd.observation import Observation
-from canaryd.probe.census import collect, fillers_for
-from canaryd.probe.chain import run_chain
+from canaryd.probe.shapes import shape_of
 from canaryd.store import Store
 
 
@@ -52,22 +50,6 @@ class Calibrated:
         }
 
 
-def probes(
-    backend: Backend, canary: Canary, others: Sequence[Canary], *, k: int, batch_sizes: Sequence[int]
-) -> dict[str, list[Observation]]:
-    """K honest probes per observed id (the canary, or each step of a chain)."""
-    if canary.steps is not None:
-        runs = [run_chain(backend, canary) for _ in range(k)]
-        return {obs.canary_id: [r[i] for r in runs] for i, obs in enumerate(runs[0])}
-    fillers = fillers_for(canary, others)
-    got = []
-    for i, size in enumerate(batch_sizes):  # K over the levels, the first ones taking the remainder
-        n = k // len(batch_sizes) + (i < k % len(batch_sizes))
-        if n:
-            got += collect(backend, canary, n=n, batch_sizes=[size], fillers=fillers)[size]
-    return {canary.id: got}
-
-
 def calibrate(
     backend: Backend,
     canaries: Sequence[Canary],
@@ -82,9 +64,8 @@ def calibrate(
     out = []
     crowd = canaries if others is None else others
     for canary in canaries:
-        if canary.decoding.samples > 1:
-            continue
-        for cid, observed in probes(backend, canary, crowd, k=k, batch_sizes=batch_sizes).items():
+        probes = shape_of(canary).calibration_probes(backend, canary, crowd, k=k, batch_sizes=batch_sizes)
+        for cid, observed in probes.items():
             errors = sum(not o.ok for o in observed)
             try:
                 model = fit(observed)

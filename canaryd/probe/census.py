@@ -39,6 +39,7 @@ from canaryd.canaries import Canary, Message
 from canaryd.errors import InputError
 from canaryd.judge.stats import common_prefix
 from canaryd.observation import Observation
+from canaryd.probe.shapes import shape_of
 
 MAX_BATCH = 256  # the most requests a census puts in flight at once (BackendConfig.concurrency's bound)
 
@@ -76,7 +77,7 @@ def parse_batch_sizes(value: str) -> tuple[int, ...]:
 def fillers_for(canary: Canary, others: Iterable[Canary]) -> list[Canary]:
     """Filler requests for ``canary``: the other single-request canaries, then the built-in prompts, all with
     the canary's decoding, so fillers stay in the batch as long as the canary can (same ``max_tokens``)."""
-    pool = [c for c in others if c.id != canary.id and c.steps is None] + list(BUILTIN_FILLERS)
+    pool = [c for c in others if c.id != canary.id and shape_of(c).single_request] + list(BUILTIN_FILLERS)
     return [c.model_copy(update={"decoding": canary.decoding}) for c in pool]
 
 

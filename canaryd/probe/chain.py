@@ -18,8 +18,9 @@ from canaryd.canaries import STEP_REF, Canary, Message, Step
 from canaryd.judge.compare import Comparison, Verdict
 from canaryd.observation import Observation, utcnow
 
-# A step "diverged" when its own output moved; a stack change alone (or noise) moved nothing it said.
-DIVERGED = frozenset({Verdict.REGRESSION, Verdict.ANSWER_DRIFT, Verdict.LOGPROB_DRIFT})
+# A step "diverged" when its own output moved: any drift verdict but a stack change, which (like noise)
+# moved nothing it said.
+DIVERGED = frozenset(v for v in Verdict if v.is_drift) - {Verdict.STACK_CHANGE}
 
 
 def render(text: str, outputs: dict[str, str]) -> str:

@@ -8,18 +8,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import structlog
 
 from canaryd.backends import Backend, BackendUnavailable, make_backend
 from canaryd.canaries import Canary, Suite, load_suites
 from canaryd.config import Config
-from canaryd.judge.compare import Comparison, Decision, compare, decide
-from canaryd.judge.sampled import draw_samples, judge_samples
+from canaryd.judge.compare import Comparison, Decision, decide
 from canaryd.judge.stats import DetectorState
 from canaryd.observation import Observation, utcnow
-from canaryd.probe.chain import mark_divergence, run_chain
+from canaryd.probe.shapes import shape_of
 from canaryd.stack import merge_stacks, stack_hash
 from canaryd.store import Store
 
@@ -61,39 +60,6 @@ def plan(config: Config, suites: Sequence[Suite], only: str | None = None) -> di
     return out
 
 
-def send(backend: Backend, canary: Canary) -> list[Observation]:
-    """The requests one canary makes: one (plain), one per step (chained), n (sampled)."""
-    if canary.steps is not None:
-        return run_chain(backend, canary)
-    if canary.decoding.samples > 1:
-        return draw_samples(backend, canary)
-    return [backend.probe(canary)]
-
-
-def judge(
-    store: Store, config: Config, canary: Canary, observations: list[Observation]
-) -> list[tuple[Observation, Comparison, int | None]]:
-    """Each observation with its comparison and the baseline observation id it was compared with."""
-    if canary.decoding.samples > 1:  # one verdict for the set of n samples (never a chain: validated)
-        return judge_samples(store, canary, observations, alpha=config.compare.alpha)
-    out = []
-    for obs in observations:
-        base = store.baseline(obs.backend, obs.canary_id)
-        final = canary.steps is None or obs is observations[-1]  # a chain's expect judges its last step
-        expect = canary.expect if final else None
-        correct = expect.check(obs.text or "") if expect and obs.ok else None
-        comparison = compare(
-            base[1] if base else None,
-            obs,
-            correct=correct,
-            baseline_correct=base[2] if base else None,
-            logprob_tolerance=config.compare.logprob_tolerance,
-            noise=store.calibration(obs.backend, obs.canary_id),
-        )
-        out.append((obs, comparison, base[0] if base else None))
-    return out
-
-
 def probe_backend(backend: Backend, canaries: Sequence[Canary], store: Store, config: Config) -> BackendRun:
     run_id = store.start_run(backend.name)
     bound = log.bind(backend=backend.name, run_id=run_id)
@@ -112,7 +78,7 @@ def probe_backend(backend: Backend, canaries: Sequence[Canary], store: Store, co
             for obs in missing:
                 obs.error_kind, obs.error = failure.kind, str(failure)
             return missing
-        return send(backend, canary)
+        return shape_of(canary).send(backend, canary)
 
     with ThreadPoolExecutor(
         max_workers=backend.concurrency, thread_name_prefix=f"probe-{backend.name}"
@@ -124,14 +90,14 @@ def probe_backend(backend: Backend, canaries: Sequence[Canary], store: Store, co
         for obs in observations:
             if obs.ok:
                 obs.stack = {**stack, **obs.stack}
-        judged.append(judge(store, config, canary, observations))
+        judged.append(shape_of(canary).judge(store, config.compare, canary, observations))
     flat = [j for per_canary in judged for j in per_canary]
 
     # The cycle as a whole: combine the calibrated evidence and carry the backend's detector forward.
     def fold(state: DetectorState) -> tuple[DetectorState | None, Decision]:
         d = decide(
-            [obs.canary_id for obs, _, _ in flat],
-            [c for _, c, _ in flat],
+            [j.observation.canary_id for j in flat],
+            [j.comparison for j in flat],
             state,
             arl=config.compare.arl,
             min_out=config.compare.min_out,
@@ -151,10 +117,10 @@ def probe_backend(backend: Backend, canaries: Sequence[Canary], store: Store, co
     settled = iter(decision.comparisons)
     final = []
     for canary, per_canary in zip(canaries, judged, strict=True):
-        steps = [(obs, next(settled), baseline_id) for obs, _, baseline_id in per_canary]
-        final.extend(steps if canary.steps is None else mark_divergence(canary, steps))
+        steps = [replace(j, comparison=next(settled)) for j in per_canary]
+        final.extend(shape_of(canary).settle(canary, steps))
     results = []
-    for obs, comparison, baseline_id in final:
+    for obs, comparison, baseline_id in ((j.observation, j.comparison, j.baseline_id) for j in final):
         obs_id = store.add_observation(run_id, obs, comparison, baseline_id)
         bound.info(
             "observation",

@@ -1,0 +1,215 @@
+"""The three shapes a canary comes in, each with how it is sent, judged and calibrated.
+
+* **plain**: one request per cycle, compared with its baseline (and with its calibrated noise, once
+  ``baseline calibrate`` has measured it);
+* **chained**: one request per step, each step an observation of its own (``id:step``) with its own
+  baseline; the canary's ``expect`` judges the final step, which, once the cycle's decision has settled
+  every step's verdict, names the first step that diverged (`chain.mark_divergence`);
+* **sampled**: n draws per cycle, judged as a set against the baseline run's n draws by two-sample tests
+  (`canaryd.judge.sampled`); it needs no calibration.
+
+`shape_of` is the one place that asks which shape a canary is; everything else calls the shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Protocol
+
+from canaryd.canaries import Canary, Expect
+from canaryd.judge.compare import Comparison, Verdict, compare
+from canaryd.judge.sampled import compare_samples
+from canaryd.judge.stats import NoiseModel
+from canaryd.observation import Observation
+from canaryd.probe.chain import mark_divergence, run_chain
+
+if TYPE_CHECKING:
+    from canaryd.backends import Backend
+    from canaryd.config import CompareConfig
+    from canaryd.store import Store
+
+
+@dataclass(frozen=True, slots=True)
+class Judged:
+    """One observation with its comparison and the baseline observation it was compared with."""
+
+    observation: Observation
+    comparison: Comparison
+    baseline_id: int | None
+
+
+class Shape(Protocol):
+    name: str
+    single_request: bool  # one request per probe: a census can repeat it and a batch can use it as filler
+    calibrated: bool  # `baseline calibrate` learns a noise model for it
+
+    def send(self, backend: Backend, canary: Canary) -> list[Observation]:
+        """The requests of one cycle, as observations in sending order."""
+        ...
+
+    def judge(
+        self, store: Store, settings: CompareConfig, canary: Canary, observations: list[Observation]
+    ) -> list[Judged]:
+        """Each observation against its baseline, before the backend's cycle is decided."""
+        ...
+
+    def settle(self, canary: Canary, judged: list[Judged]) -> list[Judged]:
+        """The judged observations once the cycle's decision has settled their verdicts."""
+        ...
+
+    def calibration_probes(
+        self,
+        backend: Backend,
+        canary: Canary,
+        others: Sequence[Canary],
+        *,
+        k: int,
+        batch_sizes: Sequence[int],
+    ) -> dict[str, list[Observation]]:
+        """K honest probes per observed id, for `canaryd.judge.stats.fit`."""
+        ...
+
+
+def _compare(store: Store, settings: CompareConfig, obs: Observation, expect: Expect | None) -> Judged:
+    base = store.baseline(obs.backend, obs.canary_id)
+    doc = store.calibration(obs.backend, obs.canary_id)
+    comparison = compare(
+        base[1] if base else None,
+        obs,
+        correct=expect.check(obs.text or "") if expect and obs.ok else None,
+        baseline_correct=base[2] if base else None,
+        logprob_tolerance=settings.logprob_tolerance,
+        noise=NoiseModel.from_dict(doc) if isinstance(doc, dict) else doc,
+    )
+    return Judged(obs, comparison, base[0] if base else None)
+
+
+class Plain:
+    name, single_request, calibrated = "plain", True, True
+
+    def send(self, backend: Backend, canary: Canary) -> list[Observation]:
+        return [backend.probe(canary)]
+
+    def judge(
+        self, store: Store, settings: CompareConfig, canary: Canary, observations: list[Observation]
+    ) -> list[Judged]:
+        return [_compare(store, settings, obs, canary.expect) for obs in observations]
+
+    def settle(self, canary: Canary, judged: list[Judged]) -> list[Judged]:
+        return judged
+
+    def calibration_probes(
+        self,
+        backend: Backend,
+        canary: Canary,
+        others: Sequence[Canary],
+        *,
+        k: int,
+        batch_sizes: Sequence[int],
+    ) -> dict[str, list[Observation]]:
+        """K probes split over the load levels (alone, and inside crowded batches), the first levels
+        taking the remainder."""
+        from canaryd.probe.census import collect, fillers_for  # census asks shapes which canaries fill
+
+        fillers = fillers_for(canary, others)
+        got = []
+        for i, size in enumerate(batch_sizes):
+            n = k // len(batch_sizes) + (i < k % len(batch_sizes))
+            if n:
+                got += collect(backend, canary, n=n, batch_sizes=[size], fillers=fillers)[size]
+        return {canary.id: got}
+
+
+class Chained(Plain):
+    name, single_request, calibrated = "chained", False, True
+
+    def send(self, backend: Backend, canary: Canary) -> list[Observation]:
+        return run_chain(backend, canary)
+
+    def judge(
+        self, store: Store, settings: CompareConfig, canary: Canary, observations: list[Observation]
+    ) -> list[Judged]:
+        final = len(observations) - 1
+        return [
+            _compare(store, settings, obs, canary.expect if i == final else None)
+            for i, obs in enumerate(observations)
+        ]
+
+    def settle(self, canary: Canary, judged: list[Judged]) -> list[Judged]:
+        marked = mark_divergence(canary, [(j.observation, j.comparison, j.baseline_id) for j in judged])
+        return [Judged(*j) for j in marked]
+
+    def calibration_probes(
+        self,
+        backend: Backend,
+        canary: Canary,
+        others: Sequence[Canary],
+        *,
+        k: int,
+        batch_sizes: Sequence[int],
+    ) -> dict[str, list[Observation]]:
+        """The chain run K times in sequence: its steps depend on each other's outputs, so no batching."""
+        runs = [run_chain(backend, canary) for _ in range(k)]
+        return {obs.canary_id: [r[i] for r in runs] for i, obs in enumerate(runs[0])}
+
+
+class Sampled(Plain):
+    name, single_request, calibrated = "sampled", True, False
+
+    def send(self, backend: Backend, canary: Canary) -> list[Observation]:
+        """The n samples, one after another; sample i carries seed + i when the canary is seeded."""
+        d = canary.decoding
+        if d.seed is None:
+            return [backend.probe(canary) for _ in range(d.samples)]
+        return [
+            backend.probe(canary.model_copy(update={"decoding": d.model_copy(update={"seed": d.seed + i})}))
+            for i in range(d.samples)
+        ]
+
+    def judge(
+        self, store: Store, settings: CompareConfig, canary: Canary, observations: list[Observation]
+    ) -> list[Judged]:
+        """Every sample with the set's comparison (its own correctness; a failed sample is an ``error``).
+
+        The baseline set is the run of the stored baseline observation. With pinned seeds every sample of a
+        first cycle has its own request hash, so the store may keep a later sample than the first as the
+        baseline observation: the set, and sample 0 in it, are the same either way.
+        """
+        base = store.baseline(observations[0].backend, canary.id)
+        baseline_id = base[0] if base else None
+        verdict = compare_samples(
+            store.run_set(baseline_id) if baseline_id is not None else [],
+            observations,
+            expect=canary.expect,
+            alpha=settings.alpha,
+        )
+        out = []
+        for obs in observations:
+            if obs.ok:
+                ok = canary.expect.check(obs.text or "") if canary.expect else None
+                out.append(Judged(obs, replace(verdict, correct=ok), baseline_id))
+            else:
+                error = Comparison(Verdict.ERROR, None, reasons=(f"{obs.error_kind}: {obs.error}",))
+                out.append(Judged(obs, error, baseline_id))
+        return out
+
+    def calibration_probes(
+        self,
+        backend: Backend,
+        canary: Canary,
+        others: Sequence[Canary],
+        *,
+        k: int,
+        batch_sizes: Sequence[int],
+    ) -> dict[str, list[Observation]]:
+        return {}  # its two-sample test needs no noise model
+
+
+PLAIN, CHAINED, SAMPLED = Plain(), Chained(), Sampled()
+
+
+def shape_of(canary: Canary) -> Shape:
+    if canary.steps is not None:
+        return CHAINED
+    return SAMPLED if canary.decoding.samples > 1 else PLAIN
