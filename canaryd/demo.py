@@ -27,13 +27,7 @@ CONFIG = """\
 state_dir = "{state}"
 suites = ["{suite}"]
 
-[[backends]]
-name = "local-vllm"
-kind = "vllm"
-base_url = "{base_url}"
-model = "tiny"
-concurrency = 2
-"""
+{backend}"""
 
 
 def _verdicts(results: list[Result]) -> dict[str, int]:
@@ -45,7 +39,7 @@ def _verdicts(results: list[Result]) -> dict[str, int]:
 
 def run_demo(workdir: Path, console: Console) -> int:
     from canaryd.lab.tinymodel import build_tiny_model
-    from canaryd.lab.vllm_process import VLLMServer, free_port
+    from canaryd.lab.vllm_process import VLLMServer, backend_block, free_port
 
     workdir = workdir.resolve()
     workdir.mkdir(parents=True, exist_ok=True)
@@ -65,7 +59,7 @@ def run_demo(workdir: Path, console: Console) -> int:
     port = free_port()
     cfg_path = workdir / "canaryd.toml"
     cfg_path.write_text(
-        CONFIG.format(state=workdir / "state", suite=suite_path, base_url=f"http://127.0.0.1:{port}/v1")
+        CONFIG.format(state=workdir / "state", suite=suite_path, backend=backend_block("local-vllm", port))
     )
     (workdir / "state" / "canaryd.db").unlink(missing_ok=True)  # every demo starts from an empty history
     config = load_config(cfg_path)

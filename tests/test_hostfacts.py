@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from canaryd import hostfacts
+from canaryd.backends import hostfacts
 from canaryd.backends.vllm_server import HOSTFACTS_SCRIPT, HostProbe, Prober, Settings
 
 SCRIPT = Path(hostfacts.__file__)

@@ -17,8 +17,8 @@ arguments: dtype, quantization, kv_cache_dtype, enforce_eager, seed, max_model_l
   vLLM decodes partial UTF-8 bytes as "", which would make different tokens look equal. ``top`` is the
   exact top-k by rank (the sampled token is included only if it ranks within k).
 * The snapshot is the whole stack, taken once when the engine starts (the files hashed are the files
-  loaded): host facts (`canaryd.hostfacts`: python, os, cpu ISA, GPUs, packages, VLLM_* env, model file
-  hashes), ``vllm.version``, torch build and devices, every numerics-relevant resolved engine setting
+  loaded): host facts (`hostfacts`: python, os, cpu ISA, GPUs, packages, VLLM_* env, model file hashes),
+  ``vllm.version``, torch build and devices, every numerics-relevant resolved engine setting
   (``engine.<config>.<field>`` read back from ``llm.llm_engine.vllm_config``) and the chat template's
   rendering (``template.*``, as for the ``vllm`` kind). Each observation adds
   ``response.system_fingerprint``, computed by vLLM's own ``vllm serve`` function.
@@ -40,7 +40,7 @@ from typing import Any, Literal
 import structlog
 from pydantic import Field
 
-from canaryd import hostfacts
+from canaryd.backends import hostfacts
 from canaryd.backends.base import BackendSettings, BackendUnavailable
 from canaryd.backends.openai_wire import request_hash
 from canaryd.backends.vllm_server import TEMPLATE_PROBE

@@ -8,11 +8,11 @@ token ids ``/tokenize`` gives a fixed chat, which moves when the tokenizer or ch
 
 What no endpoint shows (GPU, driver, torch build, installed packages, weight file hashes) the optional
 **host probe** adds when canaryd runs on the server's host: ``host_probe = { python = "/opt/vllm/bin/python",
-model_dir = "/models/x" }`` runs ``canaryd/hostfacts.py`` under the serving venv's interpreter (isolated,
-stdlib only) and merges its fields as ``host.*``. ``model_dir`` defaults to ``/v1/models``' ``root``; file
-hashes are cached (by inode, size and change times) under the user's cache directory. It reports the host,
-not the server process: the server's environment variables are not visible to it, so ``env.*`` is left
-out. A failure (missing interpreter, timeout, bad output) becomes one ``host.error`` field, never an
+model_dir = "/models/x" }`` runs ``hostfacts.py`` (beside this module) under the serving venv's
+interpreter (isolated, stdlib only) and merges its fields as ``host.*``. ``model_dir`` defaults to
+``/v1/models``' ``root``; file hashes are cached (by inode, size and change times) under the user's
+cache directory. It reports the host, not the server process: the server's environment variables are not
+visible to it, so ``env.*`` is left out. A failure (missing interpreter, timeout, bad output) becomes one ``host.error`` field, never an
 exception. Off by default.
 """
 
@@ -39,7 +39,7 @@ _INFO_LINE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*_info)\{(.*)\}\s+\S+$")
 _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
 # Labels of *_info series that change without the stack changing.
 _VOLATILE_LABELS = {"engine"}
-HOSTFACTS_SCRIPT = Path(__file__).resolve().parents[1] / "hostfacts.py"
+HOSTFACTS_SCRIPT = Path(__file__).resolve().with_name("hostfacts.py")
 # Generous: the first run hashes the weights (GBs); the hash cache keeps what it finished, even on timeout.
 HOST_PROBE_TIMEOUT_S = 600.0
 
@@ -117,8 +117,8 @@ class Prober(openai_compat.Prober):
         return fields
 
     def _host_facts(self, model_root: str | None = None) -> dict[str, str]:
-        """``canaryd/hostfacts.py`` under the serving interpreter, prefixed ``host.``; never raises."""
-        from canaryd.hostfacts import default_hash_cache
+        """``hostfacts.py`` under the serving interpreter, prefixed ``host.``; never raises."""
+        from canaryd.backends.hostfacts import default_hash_cache
 
         probe = self.cfg.host_probe
         assert probe is not None

@@ -34,6 +34,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def backend_block(name: str, port: int, *, model: str = "tiny", concurrency: int = 2) -> str:
+    """The ``[[backends]]`` block that probes a `VLLMServer` on ``port`` (the server's own kind)."""
+    return (
+        f'[[backends]]\nname = "{name}"\nkind = "vllm"\nbase_url = "http://127.0.0.1:{port}/v1"\n'
+        f'model = "{model}"\nconcurrency = {concurrency}\n'
+    )
+
+
 class VLLMServer:
     """``with VLLMServer(model_dir) as srv:`` serves the model at ``srv.base_url``."""
 

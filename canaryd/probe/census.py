@@ -18,7 +18,7 @@ Qwen3-235B gave 80 distinct completions). The census measures this from outside,
 Failed probes are counted (``errors``) but never enter the statistics. Nothing here touches the history:
 census probes would disturb the baselines. ``canaryd baseline calibrate`` reuses `collect` and `fillers_for`.
 
-A ``vllm-offline`` backend serializes its probes, so its fillers never share a batch with the canary.
+A backend whose kind serialises its probes (concurrency 1) never batches its fillers with the canary.
 """
 
 from __future__ import annotations

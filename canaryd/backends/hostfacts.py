@@ -4,7 +4,7 @@
 This file is also a standalone script, so canaryd can run it under *another* interpreter (a vLLM
 server's venv) and learn what that venv holds::
 
-    python -I canaryd/hostfacts.py [--model-dir DIR] [--hash-cache FILE] [--no-process-facts]
+    python -I canaryd/backends/hostfacts.py [--model-dir DIR] [--hash-cache FILE] [--no-process-facts]
 
 prints one JSON object. Fields (absent when not applicable, ``<section>.error`` when a section failed):
 
