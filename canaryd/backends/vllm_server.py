@@ -7,13 +7,13 @@ cache config: kv-cache dtype, block size, number of blocks — a proxy for memor
 token ids ``/tokenize`` gives a fixed chat, which moves when the tokenizer or chat template does.
 
 What no endpoint shows (GPU, driver, torch build, installed packages, weight file hashes) the optional
-**host probe** adds when canaryd runs on the server's host: ``host_probe = { python = "/opt/vllm/bin/python",
-model_dir = "/models/x" }`` runs ``hostfacts.py`` (beside this module) under the serving venv's
-interpreter (isolated, stdlib only) and merges its fields as ``host.*``. ``model_dir`` defaults to
-``/v1/models``' ``root``; file hashes are cached (by inode, size and change times) under the user's
-cache directory. It reports the host, not the server process: the server's environment variables are not
-visible to it, so ``env.*`` is left out. A failure (missing interpreter, timeout, bad output) becomes one ``host.error`` field, never an
-exception. Off by default.
+**host probe** adds when canaryd runs on the server's host: ``host_probe = { python =
+"/opt/vllm/bin/python", model_dir = "/models/x" }`` runs ``hostfacts.py`` (beside this module) under the
+serving venv's interpreter (isolated, stdlib only) and merges its fields as ``host.*``. ``model_dir``
+defaults to ``/v1/models``' ``root``; file hashes are cached (by inode, size and change times) under the
+user's cache directory. It reports the host, not the server process: the server's environment variables are
+not visible to it, so ``env.*`` is left out. A failure (missing interpreter, timeout, bad output) becomes
+one ``host.error`` field, never an exception. Off by default.
 """
 
 from __future__ import annotations
