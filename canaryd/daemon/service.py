@@ -37,7 +37,7 @@ from canaryd.errors import InputError
 from canaryd.probe.run import plan, probe_backend
 from canaryd.store import Store
 
-log = structlog.get_logger("canaryd.daemon.service")
+log = structlog.get_logger("canaryd.daemon")
 
 
 @dataclass

@@ -46,7 +46,7 @@ fact, not a test). Verdicts, first that applies:
 The `Evidence` names the deciding test (answers, unless only the logprob test rejects or its p-value is the
 smaller), its statistic and the critical value it had to exceed (statistic > threshold ⇔ p ≤ alpha / 2),
 the Bonferroni-adjusted p-value ``min(1, 2·min(p_answers, p_logprob))`` and the e-value ``κ·p^(κ−1)``
-(κ = 0.5, `canaryd.stats.p_to_e`), so a sampled canary's evidence combines with the rest of canaryd.
+(κ = 0.5, `canaryd.judge.stats.p_to_e`), so a sampled canary's evidence combines with the rest of canaryd.
 
 Changing only n keeps the baseline: ``samples`` is not a request field (the request hash covers what the
 server sees, seed + i included, and sample 0 carries the canary's own seed), the tests accept unequal n, and

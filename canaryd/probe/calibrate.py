@@ -64,7 +64,10 @@ def calibrate(
     out = []
     crowd = canaries if others is None else others
     for canary in canaries:
-        probes = shape_of(canary).calibration_probes(backend, canary, crowd, k=k, batch_sizes=batch_sizes)
+        shape = shape_of(canary)
+        if not shape.calibrated:
+            continue
+        probes = shape.calibration_probes(backend, canary, crowd, k=k, batch_sizes=batch_sizes)
         for cid, observed in probes.items():
             errors = sum(not o.ok for o in observed)
             try:

@@ -22,7 +22,7 @@ from canaryd.probe.shapes import shape_of
 from canaryd.stack import merge_stacks, stack_hash
 from canaryd.store import Store
 
-log = structlog.get_logger("canaryd.probe.run")
+log = structlog.get_logger("canaryd.probe")
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from canaryd.canaries import Canary, Expect
 from canaryd.judge.compare import Comparison, Verdict, compare
@@ -39,38 +39,6 @@ class Judged:
     baseline_id: int | None
 
 
-class Shape(Protocol):
-    name: str
-    single_request: bool  # one request per probe: a census can repeat it and a batch can use it as filler
-    calibrated: bool  # `baseline calibrate` learns a noise model for it
-
-    def send(self, backend: Backend, canary: Canary) -> list[Observation]:
-        """The requests of one cycle, as observations in sending order."""
-        ...
-
-    def judge(
-        self, store: Store, settings: CompareConfig, canary: Canary, observations: list[Observation]
-    ) -> list[Judged]:
-        """Each observation against its baseline, before the backend's cycle is decided."""
-        ...
-
-    def settle(self, canary: Canary, judged: list[Judged]) -> list[Judged]:
-        """The judged observations once the cycle's decision has settled their verdicts."""
-        ...
-
-    def calibration_probes(
-        self,
-        backend: Backend,
-        canary: Canary,
-        others: Sequence[Canary],
-        *,
-        k: int,
-        batch_sizes: Sequence[int],
-    ) -> dict[str, list[Observation]]:
-        """K honest probes per observed id, for `canaryd.judge.stats.fit`."""
-        ...
-
-
 def _compare(store: Store, settings: CompareConfig, obs: Observation, expect: Expect | None) -> Judged:
     base = store.baseline(obs.backend, obs.canary_id)
     doc = store.calibration(obs.backend, obs.canary_id)
@@ -86,17 +54,24 @@ def _compare(store: Store, settings: CompareConfig, obs: Observation, expect: Ex
 
 
 class Plain:
-    name, single_request, calibrated = "plain", True, True
+    """One request per cycle; the base of the other shapes, and their interface."""
+
+    name = "plain"
+    single_request = True  # one request per probe: a census can repeat it, a batch can use it as filler
+    calibrated = True  # `baseline calibrate` learns a noise model for it
 
     def send(self, backend: Backend, canary: Canary) -> list[Observation]:
+        """The requests of one cycle, as observations in sending order."""
         return [backend.probe(canary)]
 
     def judge(
         self, store: Store, settings: CompareConfig, canary: Canary, observations: list[Observation]
     ) -> list[Judged]:
+        """Each observation against its baseline, before the backend's cycle is decided."""
         return [_compare(store, settings, obs, canary.expect) for obs in observations]
 
     def settle(self, canary: Canary, judged: list[Judged]) -> list[Judged]:
+        """The judged observations once the cycle's decision has settled their verdicts."""
         return judged
 
     def calibration_probes(
@@ -108,8 +83,8 @@ class Plain:
         k: int,
         batch_sizes: Sequence[int],
     ) -> dict[str, list[Observation]]:
-        """K probes split over the load levels (alone, and inside crowded batches), the first levels
-        taking the remainder."""
+        """K honest probes per observed id, for `canaryd.judge.stats.fit`: split over the load levels (alone,
+        and inside crowded batches), the first levels taking the remainder."""
         from canaryd.probe.census import collect, fillers_for  # census asks shapes which canaries fill
 
         fillers = fillers_for(canary, others)
@@ -122,7 +97,7 @@ class Plain:
 
 
 class Chained(Plain):
-    name, single_request, calibrated = "chained", False, True
+    name, single_request = "chained", False
 
     def send(self, backend: Backend, canary: Canary) -> list[Observation]:
         return run_chain(backend, canary)
@@ -155,7 +130,7 @@ class Chained(Plain):
 
 
 class Sampled(Plain):
-    name, single_request, calibrated = "sampled", True, False
+    name, calibrated = "sampled", False  # its two-sample test needs no noise model
 
     def send(self, backend: Backend, canary: Canary) -> list[Observation]:
         """The n samples, one after another; sample i carries seed + i when the canary is seeded."""
@@ -194,22 +169,11 @@ class Sampled(Plain):
                 out.append(Judged(obs, error, baseline_id))
         return out
 
-    def calibration_probes(
-        self,
-        backend: Backend,
-        canary: Canary,
-        others: Sequence[Canary],
-        *,
-        k: int,
-        batch_sizes: Sequence[int],
-    ) -> dict[str, list[Observation]]:
-        return {}  # its two-sample test needs no noise model
-
 
 PLAIN, CHAINED, SAMPLED = Plain(), Chained(), Sampled()
 
 
-def shape_of(canary: Canary) -> Shape:
+def shape_of(canary: Canary) -> Plain:
     if canary.steps is not None:
         return CHAINED
     return SAMPLED if canary.decoding.samples > 1 else PLAIN
