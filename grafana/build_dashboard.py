@@ -36,6 +36,8 @@ from grafana_foundation_sdk.models import common as common_m
 from grafana_foundation_sdk.models import dashboard as dash_m
 from grafana_foundation_sdk.models import prometheus as prom_m
 
+from canaryd.judge.verdicts import Verdict
+
 HERE = Path(__file__).resolve().parent
 OUTPUT = HERE / "canaryd-dashboard.json"
 UID = "canaryd-overview"
@@ -53,19 +55,10 @@ JOB = 'job=~"$job", instance=~"$instance"'
 BACKEND = JOB + ', backend=~"$backend"'
 CANARY = BACKEND + ', canary=~"$canary"'
 
-# canaryd.judge.compare.Verdict values, least to most severe; the index is the code the verdict panels map.
-# tests/test_dashboard.py checks this list against the enum.
-VERDICTS: tuple[tuple[str, str], ...] = (
-    ("identical", "green"),
-    ("within-noise", "light-green"),
-    ("baseline", "blue"),
-    ("stack-change", "purple"),
-    ("logprob-drift", "yellow"),
-    ("answer-drift", "orange"),
-    ("regression", "red"),
-    ("error", "dark-red"),
-)
-DRIFT_VERDICTS = ("regression", "answer-drift", "logprob-drift", "stack-change")
+# (value, colour) of every verdict, from the table in canaryd.judge.verdicts, least to most severe: the index
+# is the code the verdict panels map, so the most severe verdict has the highest code.
+VERDICTS: tuple[tuple[str, str], ...] = tuple((v.value, v.dashboard_color) for v in reversed(Verdict))
+DRIFT_VERDICTS = tuple(v.value for v in Verdict if v.is_drift)
 
 # Grafana built-ins as panel_queries substitutes them unless told otherwise.
 BUILTIN_DEFAULTS = {"__rate_interval": "1m", "__range": "1h", "__interval": "15s"}
@@ -400,11 +393,8 @@ def build_panels(ids: Ids) -> list[tuple[str, list]]:
         table_panel(
             ids,
             "Verdict matrix",
-            "Current verdict per canary (rows) and backend (columns), from canaryd_canary_verdict == 1. "
-            "identical: same tokens as the baseline; baseline: this probe became the baseline; "
-            "stack-change: same answer on a changed stack; logprob-drift / answer-drift: the "
-            "logprobs / the answer text moved; regression: was correct, now wrong; error: no usable "
-            "answer.",
+            "Current verdict per canary (rows) and backend (columns), from canaryd_canary_verdict == 1; "
+            "most severe first: " + "; ".join(f"{v.value}: {v.meaning}" for v in Verdict) + ".",
             8,
             10,
             [query("A", code, instant=True, fmt="table")],

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from canaryd.judge.compare import Verdict
+from canaryd.judge.verdicts import Verdict
 from canaryd.observation import ErrorKind
 
 REPO = Path(__file__).resolve().parents[1]
@@ -247,6 +247,24 @@ def test_alert_uses_only_exported_metrics(name: str) -> None:
                 assert label in known_labels, f"{where}: unknown label {label!r}"
             if label in ENUM_LABELS and value:
                 assert value in ENUM_LABELS[label], f"{where}: {label}={value!r} is not one canaryd sets"
+        for label, alternatives in re.findall(r'(\w+)\s*=~\s*"([\w|-]*)"', query):
+            unknown = set(alternatives.split("|")) - ENUM_LABELS.get(label, set(alternatives.split("|")))
+            assert not unknown, f"{where}: {label}=~ names {sorted(unknown)}, which canaryd never sets"
+
+
+def test_alerts_fire_on_every_drift_verdict_and_no_other() -> None:
+    """Each drift verdict of the verdict table has a fast alert selecting it; no alert pages on another."""
+    alerts: dict[str, set[str]] = {}
+    for a in _alerts():
+        for metric, label, value in _parse_promql(a["expr"])[1]:
+            if metric == "canaryd_canary_verdict" and label == "verdict" and value:
+                alerts.setdefault(value, set()).add(a["alert"])
+    assert set(alerts) == {v.value for v in Verdict if v.is_drift}, alerts
+    sections = dict(re.findall(r"^## (\w+)\n(.*?)(?=^## |\Z)", RUNBOOK.read_text(), flags=re.M | re.S))
+    for verdict, names in alerts.items():
+        assert names <= FAST_ALERTS, f"{verdict}: {sorted(names - FAST_ALERTS)} must fire within a minute"
+        for name in names:
+            assert f"`{verdict}`" in sections[name], f"docs/runbook.md, {name}: name the verdict `{verdict}`"
 
 
 def test_promql_scanner() -> None:

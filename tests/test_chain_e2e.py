@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from canaryd.probe.chain import DIVERGED
 from tests.conftest import CACHE
 from tests.lab import Lab
 
@@ -40,7 +41,7 @@ messages = [{ role = "user", content = "What is 17 + 25? Answer with the number 
 """
 
 STEPS = ["plan:extract", "plan:map", "plan:answer"]
-DRIFT = {"regression", "answer-drift", "logprob-drift"}
+DRIFT = {v.value for v in DIVERGED}  # the verdicts of a step whose own output moved
 
 
 class ChainLab(Lab):

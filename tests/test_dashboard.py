@@ -270,9 +270,23 @@ def test_variable_queries(dash):
     assert set(got) == {"job", "instance", "backend", "canary"}
 
 
-def test_verdict_codes_match_the_enum():
-    assert [v for v, _ in bd.VERDICTS] and {v for v, _ in bd.VERDICTS} == {v.value for v in Verdict}
-    assert set(bd.DRIFT_VERDICTS) == {v.value for v in Verdict if v.is_drift}
+def test_verdict_panels_follow_the_verdict_table(panels):
+    """Codes rise with severity (several instances: the worst verdict wins), colours and drift set as in
+    canaryd.judge.verdicts, in the committed JSON as in the generator."""
+    by_title = {p["title"]: p for p in panels}
+    least_to_most = [(v.value, v.dashboard_color) for v in sorted(Verdict, key=lambda v: -v.rank)]
+    assert list(bd.VERDICTS) == least_to_most
+    for title in ("Verdict matrix", "Verdict history"):
+        (mapping,) = by_title[title]["fieldConfig"]["defaults"]["mappings"]
+        codes = {int(k): (o["text"], o["color"]) for k, o in mapping["options"].items()}
+        assert [codes[i] for i in sorted(codes)] == least_to_most, title
+        for code, (value, _) in enumerate(least_to_most):
+            assert f'verdict="{value}"}} * {code}' in by_title[title]["targets"][0]["expr"], title
+    drift = {v.value for v in Verdict if v.is_drift}
+    assert set(bd.DRIFT_VERDICTS) == drift
+    (matcher,) = re.findall(r'verdict=~"([^"]*)"', by_title["Canaries drifting"]["targets"][0]["expr"])
+    assert set(matcher.split("|")) == drift
+    assert all(f"{v.value}: " in by_title["Verdict matrix"]["description"] for v in Verdict)
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Prometheus) not installed")

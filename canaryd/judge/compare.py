@@ -1,23 +1,11 @@
 """Compare an observation with its baseline and classify it: pure functions, no I/O.
 
-Verdicts, most severe first (an observation gets the first that applies):
-
-``error``          the probe failed; nothing is judged (never a drift verdict).
-``regression``     the baseline answered correctly, this one does not.
-``answer-drift``   the generated tokens differ from the baseline's.
-``logprob-drift``  same tokens, but a logprob (chosen or top-k alternative) moved beyond tolerance,
-                   or the top-k set itself changed.
-``stack-change``   same tokens and logprobs, but the serving stack or prompt token count changed.
-``within-noise``   something moved, but no more than the calibrated noise of this canary × backend allows
-                   (only once ``baseline calibrate`` has measured that noise; see ``stats.py``).
-``identical``      nothing measurable moved.
-``baseline``       no baseline existed for this canary × backend (or its request changed): this
-                   observation becomes it.
+The verdicts (values, severity order, which count as drift, colours and meanings) are one table,
+``canaryd.judge.verdicts.Verdict``: `compare` gives an observation the most severe verdict that applies.
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
@@ -31,25 +19,11 @@ from canaryd.judge.stats import (
     out_bound,
     score,
 )
+from canaryd.judge.verdicts import Verdict
 from canaryd.observation import Observation, TokenLogprob
 from canaryd.stack import FieldChange, diff
 
 __all__ = ["Comparison", "Decision", "Evidence", "TokenDelta", "Verdict", "compare", "decide", "token_delta"]
-
-
-class Verdict(enum.StrEnum):
-    ERROR = "error"
-    REGRESSION = "regression"
-    ANSWER_DRIFT = "answer-drift"
-    LOGPROB_DRIFT = "logprob-drift"
-    STACK_CHANGE = "stack-change"
-    NOISE = "within-noise"
-    IDENTICAL = "identical"
-    BASELINE = "baseline"
-
-    @property
-    def is_drift(self) -> bool:
-        return self in (Verdict.REGRESSION, Verdict.ANSWER_DRIFT, Verdict.LOGPROB_DRIFT, Verdict.STACK_CHANGE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +118,7 @@ def compare(
     logprob_tolerance: float = 0.0,
     noise: NoiseModel | None = None,
 ) -> Comparison:
-    """Classify ``current`` against ``baseline`` (see the module docstring for the verdict order).
+    """Classify ``current`` against ``baseline`` (the verdict order is `canaryd.judge.verdicts.Verdict`).
 
     ``correct``/``baseline_correct`` come from the canary's expected answer (None when it has none), so
     this function needs no canary and stays trivially testable. With a calibrated ``noise`` model of this

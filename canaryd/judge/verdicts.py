@@ -1,0 +1,71 @@
+"""The verdict table: every verdict canaryd gives, one row each, most severe first.
+
+Each row holds, in order: the value (what the store, ``--json`` and the ``verdict`` metric label carry),
+whether it counts as drift (``is_drift``: what ``check`` exits 1 on, what the drift alerts and the
+"drifting" panels count), the colour ``canaryd check``/``history`` print it in (a rich style), the colour
+the Grafana dashboard shows it in (a Grafana named colour), and its meaning in one line. The row's position
+is its severity ``rank`` (0 = most severe): ``compare()`` gives an observation the most severe verdict that
+applies, and the dashboard shows the most severe one when several canaryd instances disagree.
+
+Everything else reads this table: ``compare.py`` and ``sampled.py`` (the rules), ``report/tables.py``
+(colours), ``grafana/build_dashboard.py`` (codes, colours, the drift set), the metrics (one series per
+verdict), and the tests that hold README.md, docs/runbook.md and the alert rules to it. Adding a verdict is
+one row here plus the rule in ``compare.py`` that gives it; the tests then say which documents, alerts and
+generated files still need it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+
+__all__ = ["Verdict"]
+
+
+class Verdict(enum.StrEnum):
+    """A verdict; iterating the enum yields them most severe first (``rank`` 0, 1, …)."""
+
+    is_drift: bool
+    rank: int
+    style: str  # rich style, for the terminal tables
+    dashboard_color: str  # Grafana named colour, for the dashboard's verdict panels
+    meaning: str
+
+    # fmt: off
+    #               value            drift  terminal    dashboard
+    #               meaning
+    ERROR         = ("error",         False, "magenta",  "dark-red",
+                     "the probe failed and nothing is judged (never a drift verdict)")
+    REGRESSION    = ("regression",    True,  "bold red", "red",
+                     "the baseline answered correctly, this one does not")
+    ANSWER_DRIFT  = ("answer-drift",  True,  "red",      "orange",
+                     "the generated tokens differ from the baseline's")
+    LOGPROB_DRIFT = ("logprob-drift", True,  "yellow",   "yellow",
+                     "same tokens, but a logprob (chosen or top-k alternative) moved beyond tolerance, "
+                     "or the top-k set itself changed")
+    STACK_CHANGE  = ("stack-change",  True,  "yellow",   "purple",
+                     "same tokens and logprobs, but the serving stack or prompt token count changed")
+    NOISE         = ("within-noise",  False, "green",    "light-green",
+                     "something moved, but no more than the calibrated noise of this canary × backend "
+                     "allows (only once `baseline calibrate` has measured it)")
+    IDENTICAL     = ("identical",     False, "green",    "green",
+                     "nothing measurable moved")
+    BASELINE      = ("baseline",      False, "cyan",     "blue",
+                     "no baseline existed for this canary × backend (or its request changed), so this "
+                     "observation becomes it")
+    # fmt: on
+
+    def __new__(cls, value: str, is_drift: bool, style: str, dashboard_color: str, meaning: str) -> Verdict:
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member.is_drift = is_drift
+        member.rank = len(cls._member_names_)  # the rows defined before this one
+        member.style = style
+        member.dashboard_color = dashboard_color
+        member.meaning = meaning
+        return member
+
+    @classmethod
+    def most_severe(cls, verdicts: Iterable[Verdict | str]) -> Verdict:
+        """The most severe of ``verdicts`` (values or members); ValueError when there are none."""
+        return min((cls(v) for v in verdicts), key=lambda v: v.rank)
