@@ -1,6 +1,6 @@
 """What one probe saw: the typed record that flows from a backend to the store and the comparator.
 
-Everything here is plain data. Backends build it, `canaryd.store` persists it losslessly, `canaryd.judge` reads it.
+Everything here is plain data. Backends build it, `canaryd.store` persists it, `canaryd.judge` reads it.
 """
 
 from __future__ import annotations

@@ -333,6 +333,19 @@ class DetectorState:
     alarm: bool = False
     pending: tuple[str, ...] = ()  # exact-regime canaries that moved last cycle: moving again is the alarm
 
+    def as_dict(self) -> dict:
+        """The plain form the store keeps (``canaryd.store.records.DetectorDoc``)."""
+        return {
+            "statistic": self.statistic,
+            "cycles": self.cycles,
+            "alarm": self.alarm,
+            "pending": list(self.pending),
+        }
+
+    @classmethod
+    def from_dict(cls, doc: Mapping) -> DetectorState:
+        return cls(float(doc["statistic"]), int(doc["cycles"]), bool(doc["alarm"]), tuple(doc["pending"]))
+
 
 def out_bound(ev: Evidence) -> float:
     """An upper bound on P(out | no change) for one canary: 1/(K+1) calibrated, alpha for a sampled one."""

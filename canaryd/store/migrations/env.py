@@ -1,6 +1,6 @@
 """Alembic environment for canaryd's history database.
 
-Run by ``canaryd.store.migrate`` (which hands over an open connection inside its own transaction, holding
+Run by ``canaryd.store.engine.migrate`` (which hands over an open connection inside its own transaction, holding
 the migration lock), by ``canaryd db upgrade``, or by a developer through the repository's ``alembic.ini``
 (``alembic revision --autogenerate -m "..."``). ``render_as_batch`` makes autogenerate write SQLite-safe
 batch operations; the ``observation`` view is excluded from autogenerate and written by hand in the
@@ -10,7 +10,8 @@ revisions (``op.execute``), with each revision carrying its own copy of the view
 from alembic import context
 from sqlmodel import SQLModel
 
-from canaryd.store import AUTOGENERATE_OPTIONS, make_engine
+from canaryd.store import schema  # noqa: F401  (the tables, into SQLModel.metadata)
+from canaryd.store.engine import AUTOGENERATE_OPTIONS, make_engine
 
 config = context.config
 

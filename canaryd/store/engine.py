@@ -1,0 +1,223 @@
+"""Connecting to a history database and bringing its schema to this canaryd's revision.
+
+Kept apart from the reads and writes because three callers need it without a `Store`: the Alembic
+environment (``migrations/env.py``), ``canaryd db upgrade``/``db current``, and the tests of the
+migrations. One way builds the schema: the Alembic revisions in ``migrations/versions``, from the empty
+database up, on SQLite and PostgreSQL alike. Every `Store` runs them first (the daemon before READY=1).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from sqlalchemy import event, inspect
+from sqlalchemy.engine import Connection, Engine, make_url
+from sqlalchemy.exc import SQLAlchemyError
+from sqlmodel import Session, create_engine
+
+from canaryd.errors import InputError
+
+MIGRATIONS = Path(__file__).with_name("migrations")
+SCHEMA_REVISION = "0003"  # the head revision (tests/test_migrations.py checks it against the scripts)
+TABLES = frozenset(
+    {"run", "stack", "payload", "request", "outcome", "event", "observation", "baseline", "keep"}
+)
+_PG_MIGRATION_LOCK = 0x63616E61727964  # "canaryd": one migrator at a time per PostgreSQL database
+
+
+class SchemaMismatch(SQLAlchemyError):
+    """The database predates migrations, or a newer canaryd migrated it (exit 4, one line)."""
+
+
+def _sqlite_pragmas(dbapi_conn, _record) -> None:
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")  # readers never block the prober
+    cur.execute("PRAGMA synchronous=NORMAL")  # safe with WAL; a crash loses at most the last commit
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.close()
+
+
+def make_engine(url: str) -> Engine:
+    """An engine for a history database, without touching its schema (``migrate`` does that)."""
+    u = make_url(url)
+    if u.drivername == "postgresql":  # psycopg 3 (the `postgres` extra), not SQLAlchemy's psycopg2 default
+        u = u.set(drivername="postgresql+psycopg")
+    if u.get_backend_name() == "sqlite":
+        if u.database and u.database != ":memory:":
+            Path(u.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        # Wait up to 30 s for another writer's lock (Python's default is 5 s); `?timeout=N` in the URL wins.
+        engine = create_engine(u, connect_args={} if "timeout" in u.query else {"timeout": 30})
+        event.listen(engine, "connect", _sqlite_pragmas)
+        return engine
+    if u.get_backend_name() == "postgresql":
+        try:
+            import psycopg  # noqa: F401
+        except ImportError:
+            raise InputError(
+                f"storage url {u.render_as_string()}: PostgreSQL needs psycopg: "
+                "pip install 'canaryd[postgres]'"
+            ) from None
+    return create_engine(u, pool_pre_ping=True)
+
+
+def label(engine: Engine) -> str:
+    """The database as a log line or an error message may name it (no password)."""
+    return engine.url.render_as_string(hide_password=True)
+
+
+class Connected:
+    """What the store's write and read halves share: an engine, and a fresh session per call.
+
+    A session per call keeps one `Store` safe to use from many threads; ``expire_on_commit=False`` lets
+    a row read in one outlive its session.
+    """
+
+    engine: Engine
+
+    @contextmanager
+    def _session(self) -> Iterator[Session]:
+        with Session(self.engine, expire_on_commit=False) as s:
+            yield s
+
+
+# -- Alembic: what autogenerate compares -----------------------------------------------------------------
+
+
+def include_object(_obj, name, type_, _reflected, _compare_to) -> bool:
+    """Autogenerate filter: ``observation`` is a view, written by hand in the revisions."""
+    return not (type_ == "table" and name == "observation")
+
+
+def _empty_string(sql: str | None) -> bool:
+    while sql and sql.startswith("(") and sql.endswith(")"):
+        sql = sql[1:-1]
+    return sql is not None and sql.split("::")[0] in ("''", "")
+
+
+def compare_server_default(
+    _ctx, _conn_col, _meta_col, conn_default, _meta_default, meta_default
+) -> bool | None:
+    """Alembic's own comparison, except that it takes SQLite's ``''`` for a different default than ``""``."""
+    if _empty_string(conn_default) and _empty_string(meta_default):
+        return False
+    return None
+
+
+# What `alembic revision --autogenerate` and `alembic check` compare (env.py and tests/test_migrations.py).
+AUTOGENERATE_OPTIONS = {
+    "include_object": include_object,
+    "compare_type": True,
+    "compare_server_default": compare_server_default,
+}
+
+
+# -- Alembic: running the migrations ---------------------------------------------------------------------
+
+
+def alembic_config(connection: Connection | None = None, url: str | None = None):
+    """Alembic's configuration, built in code: no alembic.ini is needed at run time."""
+    from alembic.config import Config as AlembicConfig
+
+    cfg = AlembicConfig()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    cfg.set_main_option("path_separator", "os")
+    if url is not None:
+        cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    cfg.attributes["connection"] = connection
+    return cfg
+
+
+def known_revisions() -> set[str]:
+    """Every revision this canaryd's migrations know."""
+    from alembic.script import ScriptDirectory
+
+    return {s.revision for s in ScriptDirectory.from_config(alembic_config()).walk_revisions()}
+
+
+def _read_revision(engine: Engine, conn: Connection) -> str | None:
+    """The database's revision; None for an empty one. A pre-migration database is a SchemaMismatch."""
+    inspector = inspect(conn)
+    names = set(inspector.get_table_names()) | set(inspector.get_view_names())
+    rev = None
+    if "alembic_version" in names:
+        rev = conn.exec_driver_sql("SELECT version_num FROM alembic_version").scalar()
+    if rev is None and names & TABLES:
+        raise SchemaMismatch(
+            f"{label(engine)}: written by an older canaryd, from before schema migrations "
+            "(canaryd tables but no alembic_version): move the database aside"
+        )
+    return rev
+
+
+def current_revision(engine: Engine) -> str | None:
+    """The schema revision the database is at (None: empty), without changing anything."""
+    if _new_sqlite_file(engine) is not None:
+        return None  # connecting would create the file
+    with engine.connect() as conn:
+        return _read_revision(engine, conn)
+
+
+def migrate(engine: Engine) -> tuple[str | None, str]:
+    """Bring the database to the head revision; (revision before, revision after).
+
+    Cheap when nothing is to do (one query). Otherwise takes a lock first, so that several daemons starting
+    on one database migrate it once: ``pg_advisory_xact_lock`` on PostgreSQL, ``BEGIN IMMEDIATE`` (the
+    write lock) on SQLite; the migration runs inside that one transaction and is re-checked under the lock.
+    A new SQLite file is built beside its path and linked into place whole, so that no reader ever finds
+    the file without its schema.
+    """
+    path = _new_sqlite_file(engine)
+    if path is not None:
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.new")
+        fresh = make_engine(engine.url.set(database=str(tmp)).render_as_string(hide_password=False))
+        try:
+            _migrate(fresh)
+            fresh.dispose()  # the last connection: the WAL is checkpointed into the file and removed
+            try:
+                os.link(tmp, path)  # atomic, and never over a database another process just created
+            except FileExistsError:
+                pass
+            except OSError:  # a file system without hard links
+                if not path.exists():
+                    os.replace(tmp, path)
+        finally:
+            fresh.dispose()
+            for leftover in (tmp, Path(f"{tmp}-wal"), Path(f"{tmp}-shm")):
+                leftover.unlink(missing_ok=True)
+        _, after = _migrate(engine)
+        return None, after
+    return _migrate(engine)
+
+
+def _new_sqlite_file(engine: Engine) -> Path | None:
+    """The path of a SQLite database file that does not exist yet (None otherwise)."""
+    db = engine.url.database
+    if engine.dialect.name != "sqlite" or not db or db == ":memory:" or db.startswith("file:"):
+        return None
+    path = Path(db).expanduser()
+    return None if path.exists() else path
+
+
+def _migrate(engine: Engine) -> tuple[str | None, str]:
+    before = current_revision(engine)
+    if before == SCHEMA_REVISION:
+        return before, before
+    from alembic import command
+
+    with engine.begin() as conn:
+        if engine.dialect.name == "postgresql":
+            conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_PG_MIGRATION_LOCK})")
+        elif engine.dialect.name == "sqlite":
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+        before = _read_revision(engine, conn)
+        if before is not None and before not in known_revisions():
+            raise SchemaMismatch(
+                f"{label(engine)}: schema revision {before} is newer than this canaryd "
+                f"(head {SCHEMA_REVISION}): upgrade canaryd"
+            )
+        if before != SCHEMA_REVISION:
+            command.upgrade(alembic_config(conn), "head")
+    return before, current_revision(engine) or ""

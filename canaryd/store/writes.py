@@ -1,0 +1,373 @@
+"""The write side of the store: runs, observations, baselines, keeps, calibrations, the detector, pruning.
+
+Every write is one transaction, and all of them are safe with other writers on the same database: several
+daemons (distinct instance names) may write one PostgreSQL database at once, and the daemon and the CLI
+share a SQLite file. Content-addressed rows (stack, payload, request, outcome) are inserted with ON
+CONFLICT DO NOTHING, so identical content from two writers is one row and never an error. Baselines are
+shared: one per backend × canary for the whole fleet, whichever instance observed it (the first to commit
+a first observation wins; ``baseline accept`` takes the latest of any).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from typing import TypeVar
+
+from sqlalchemy import bindparam, delete, or_
+from sqlalchemy.orm import aliased
+from sqlmodel import Session, SQLModel, col, select
+
+from canaryd.observation import Observation, utcnow
+from canaryd.stack import stack_hash as hash_of
+from canaryd.store.engine import Connected
+from canaryd.store.records import Accepted, ComparisonLike, DetectorDoc, NoiseModelLike, detector_start
+from canaryd.store.schema import (
+    PAYLOAD_FORMAT,
+    BaselineRow,
+    CalibrationRow,
+    DetectorRow,
+    EventRow,
+    KeepRow,
+    ObservationRow,
+    OutcomeRow,
+    PayloadRow,
+    RequestRow,
+    RunRow,
+    StackRow,
+    encode_payload,
+)
+
+T = TypeVar("T")
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _canonical(doc: object) -> bytes:
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str).encode()
+
+
+def _insert(s: Session, table: type[SQLModel]):
+    """The dialect's INSERT, which has ``on_conflict_do_nothing``/``_do_update`` (SQLite and PostgreSQL)."""
+    if s.get_bind().dialect.name == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert
+    else:
+        from sqlalchemy.dialects.sqlite import insert
+    return insert(table.__table__)  # type: ignore[attr-defined]
+
+
+def _insert_ignore(s: Session, table: type[SQLModel], **values: object) -> bool:
+    """Insert a content-addressed row unless its key is already there; True if this call inserted it.
+
+    ``INSERT ... ON CONFLICT DO NOTHING``: when several processes (a fleet on one PostgreSQL, or the daemon
+    and a CLI on one SQLite file) store the same content at once, one row results and nobody fails. On
+    PostgreSQL a concurrent inserter of the same key waits for the first transaction and then does nothing.
+    Core statements on the session's connection (the ORM adds nothing here but time).
+    """
+    return s.connection().execute(_insert(s, table).values(**values).on_conflict_do_nothing()).rowcount > 0
+
+
+# Look-ups of content-addressed rows by hash, built once (building a statement costs more than running it).
+_BY_HASH = {
+    t.__tablename__: select(t.__table__.c.id if t is OutcomeRow else t.__table__.c.hash).where(  # type: ignore[attr-defined]
+        t.__table__.c.hash == bindparam("key")  # type: ignore[attr-defined]
+    )
+    for t in (StackRow, PayloadRow, RequestRow, OutcomeRow)
+}
+
+
+class Writes(Connected):
+    """The store's writes (a mixin of `canaryd.store.Store`, which sets these attributes)."""
+
+    instance: str  # recorded on every run this store starts
+    _detector_lock: threading.Lock  # serialises this process's detector folds
+
+    # -- runs and observations ------------------------------------------------------------------------
+    def start_run(self, backend: str) -> int:
+        with self._session() as s:
+            run = RunRow(backend=backend, instance=self.instance, started_at=utcnow())
+            s.add(run)
+            s.commit()
+            return run.id  # type: ignore[return-value]
+
+    def finish_run(self, run_id: int, canaries: int) -> None:
+        with self._session() as s:
+            run = s.get(RunRow, run_id)
+            if run is not None:
+                run.finished_at, run.canaries = utcnow(), canaries
+                s.add(run)
+                s.commit()
+
+    def add_observation(
+        self, run_id: int, obs: Observation, comparison: ComparisonLike, baseline_id: int | None
+    ) -> int:
+        """Write the observation in one transaction; what it shares with earlier ones is stored once.
+
+        The stack, payload, request and outcome are content-addressed, so an identical repeat adds one
+        ``event`` row (time, latency, headers) and nothing else. Each is looked up first (the common case:
+        it exists, and nothing is sent or locked) and otherwise inserted with ON CONFLICT DO NOTHING, so a
+        concurrent writer of the same content is no error.
+        """
+        verdict = str(comparison.verdict.value)
+        with self._session() as s:
+            stack_hash = None
+            if obs.stack:
+                stack_hash = hash_of(obs.stack)
+                if not self._exists(s, StackRow, stack_hash):
+                    _insert_ignore(s, StackRow, hash=stack_hash, fields=obs.stack, first_seen=obs.started_at)
+            payload_hash = None
+            if obs.tokens:
+                payload_hash, data = encode_payload(obs.tokens)
+                if not self._exists(s, PayloadRow, payload_hash):
+                    _insert_ignore(s, PayloadRow, hash=payload_hash, format=PAYLOAD_FORMAT, data=data)
+            request_ref = _digest(_canonical(obs.request))
+            if not self._exists(s, RequestRow, request_ref):
+                _insert_ignore(s, RequestRow, hash=request_ref, body=obs.request)
+            fields = {
+                "backend": obs.backend,
+                "canary_id": obs.canary_id,
+                "suite": obs.suite,
+                "request_ref": request_ref,
+                "request_hash": obs.request_hash,
+                "text": obs.text,
+                "finish_reason": obs.finish_reason,
+                "prompt_tokens": obs.prompt_tokens,
+                "completion_tokens": obs.completion_tokens,
+                "system_fingerprint": obs.system_fingerprint,
+                "response_model": obs.response_model,
+                "stack_hash": stack_hash,
+                "payload_hash": payload_hash,
+                "error": obs.error,
+                "error_kind": obs.error_kind.value if obs.error_kind else None,
+                "correct": comparison.correct,
+                "verdict": verdict,
+                "comparison": comparison.as_dict(),
+                "baseline_id": baseline_id,
+            }
+            outcome_hash = _digest(_canonical(fields))
+            by_hash = _BY_HASH["outcome"], {"key": outcome_hash}
+            outcome_id = s.connection().execute(*by_hash).scalar()
+            if outcome_id is None:
+                _insert_ignore(s, OutcomeRow, hash=outcome_hash, **fields)
+                # ours, or a concurrent writer's (committed by now: our insert waited for it)
+                outcome_id = s.connection().execute(*by_hash).scalar_one()
+            row = EventRow(
+                run_id=run_id,
+                outcome_id=outcome_id,
+                started_at=obs.started_at,
+                latency_s=obs.latency_s,
+                headers=obs.headers,
+            )
+            s.add(row)
+            s.flush()
+            if verdict == "baseline":
+                self._first_baseline(s, obs, row.id)  # type: ignore[arg-type]
+            s.commit()
+            return row.id  # type: ignore[return-value]
+
+    @staticmethod
+    def _exists(s: Session, table: type[SQLModel], key: str) -> bool:
+        return s.connection().execute(_BY_HASH[table.__tablename__], {"key": key}).first() is not None
+
+    # -- baselines and keeps --------------------------------------------------------------------------
+    @staticmethod
+    def _first_baseline(s: Session, obs: Observation, observation_id: int) -> None:
+        """Make this observation the baseline, unless another instance just made one for the same request.
+
+        A ``baseline`` verdict means there was no baseline, or it was for an older request of the canary.
+        Two instances of a fleet can judge so at the same moment: the first to commit wins (the baseline is
+        the *first* observation), the other's observation stays an ordinary one.
+        """
+        key = {"backend": obs.backend, "canary_id": obs.canary_id}
+        if _insert_ignore(
+            s,
+            BaselineRow,
+            **key,
+            observation_id=observation_id,
+            accepted_at=utcnow(),
+            note="first observation",
+        ):
+            return
+        current = s.exec(
+            select(BaselineRow.observation_id)
+            .where(BaselineRow.backend == obs.backend, BaselineRow.canary_id == obs.canary_id)
+            .with_for_update()  # PostgreSQL: serialise replacers (SQLite: this transaction holds the lock)
+        ).one()
+        request_hash = s.exec(
+            select(OutcomeRow.request_hash)
+            .join(EventRow, col(EventRow.outcome_id) == OutcomeRow.id)
+            .where(EventRow.id == current)
+        ).first()
+        if request_hash != obs.request_hash:  # a baseline for an older request: replace it
+            Writes._set_baseline(s, obs.backend, obs.canary_id, observation_id, "first observation")
+
+    @staticmethod
+    def _set_baseline(s: Session, backend: str, canary_id: str, observation_id: int, note: str) -> None:
+        """Upsert: the baseline of backend × canary is now this observation (the last writer wins)."""
+        stmt = _insert(s, BaselineRow).values(
+            backend=backend,
+            canary_id=canary_id,
+            observation_id=observation_id,
+            accepted_at=utcnow(),
+            note=note,
+        )
+        s.connection().execute(
+            stmt.on_conflict_do_update(
+                index_elements=["backend", "canary_id"],
+                set_={
+                    "observation_id": stmt.excluded.observation_id,
+                    "accepted_at": stmt.excluded.accepted_at,
+                    "note": stmt.excluded.note,
+                },
+            )
+        )
+
+    def accept_latest(self, backend: str | None = None, canary_id: str | None = None) -> list[Accepted]:
+        """Make the latest successful observation of each canary × backend its baseline.
+
+        Across the whole database: in a fleet, the latest observation of any instance. A chained
+        canary's id selects every one of its steps (``id:step``).
+        """
+        accepted = []
+        with self._session() as s:
+            q = select(ObservationRow.backend, ObservationRow.canary_id, ObservationRow.id).where(
+                ObservationRow.error.is_(None)  # type: ignore[union-attr]
+            )
+            if backend:
+                q = q.where(ObservationRow.backend == backend)
+            if canary_id:
+                q = q.where(
+                    (ObservationRow.canary_id == canary_id)
+                    | ObservationRow.canary_id.startswith(f"{canary_id}:", autoescape=True)  # type: ignore[attr-defined]
+                )
+            latest: dict[tuple[str, str], int] = {}
+            for b, c, oid in s.exec(q.order_by(ObservationRow.id)):  # type: ignore[arg-type]
+                latest[(b, c)] = oid
+            for (b, c), oid in sorted(latest.items()):
+                self._set_baseline(s, b, c, oid, "accepted")
+                accepted.append(Accepted(b, c, oid))
+            s.commit()
+        return accepted
+
+    def keep(self, observation_ids: Sequence[int], reason: str) -> None:
+        """Mark observations as referenced from outside the store (a pin, preflight or record)."""
+        with self._session() as s:
+            for oid in sorted(set(observation_ids)):
+                _insert_ignore(s, KeepRow, observation_id=oid, reason=reason, at=utcnow())
+            s.commit()
+
+    # -- calibrations and the detector ----------------------------------------------------------------
+    def save_calibration(self, backend: str, canary_id: str, model: NoiseModelLike) -> None:
+        """Replace the canary's noise model and restart the backend's detector (its evidence was
+        gathered against the old model)."""
+        with self._session() as s:
+            row = s.get(CalibrationRow, (backend, canary_id)) or CalibrationRow(
+                backend=backend, canary_id=canary_id
+            )
+            row.request_hash, row.created_at, row.k = model.request_hash, utcnow(), model.k
+            row.regime, row.summary, row.model = str(model.regime.value), model.summary(), model.as_dict()
+            s.add(row)
+            self._reset_detector(s, backend)
+            s.commit()
+
+    def drop_calibrations(self, pairs: Sequence[tuple[str, str]]) -> int:
+        """Forget the noise models of these backend × canary pairs (an accepted baseline outdates them)."""
+        with self._session() as s:
+            dropped = set()
+            for backend, canary_id in pairs:
+                row = s.get(CalibrationRow, (backend, canary_id))
+                if row is not None:
+                    s.delete(row)
+                    dropped.add((backend, canary_id))
+            for backend in {b for b, _ in dropped}:  # an alarm raised by canaries still calibrated stands
+                self._reset_detector(s, backend)
+            s.commit()
+            return len(dropped)
+
+    def fold_detector(self, backend: str, step: Callable[[DetectorDoc], tuple[DetectorDoc | None, T]]) -> T:
+        """Advance the backend's e-CUSUM atomically: ``step`` maps the stored state to the next (None: keep
+        it) and a result, which this returns. Schedules sharing a backend run at once, and a lost update
+        could clear a raised alarm: one lock in this process and, for a fleet, the database's: the row on
+        PostgreSQL (``FOR UPDATE``), the write lock SQLite takes at the transaction's first statement (an
+        insert, so no read ever upgrades to a write)."""
+        with self._detector_lock, self._session() as s:
+            _insert_ignore(s, DetectorRow, backend=backend, **detector_start(), updated_at=utcnow())
+            row = s.exec(select(DetectorRow).where(DetectorRow.backend == backend).with_for_update()).one()
+            stored: DetectorDoc = {
+                "statistic": row.statistic,
+                "cycles": row.cycles,
+                "alarm": row.alarm,
+                "pending": list(row.pending),
+            }
+            new, result = step(stored)
+            if new is not None:
+                row.statistic, row.cycles, row.alarm = new["statistic"], new["cycles"], new["alarm"]
+                row.pending, row.updated_at = list(new["pending"]), utcnow()
+                s.add(row)
+                s.commit()
+            return result
+
+    @staticmethod
+    def _reset_detector(s: Session, backend: str) -> None:
+        row = s.get(DetectorRow, backend)
+        if row is not None:
+            s.delete(row)
+
+    # -- retention ------------------------------------------------------------------------------------
+    def prune(self, cutoff: datetime, *, dry_run: bool = False) -> dict[str, int]:
+        """Delete observations started before ``cutoff``, then what only they used; counts per table.
+
+        Never deleted: current baselines (a sampled canary's: every draw of its run, see `run_set`), kept
+        observations, and the baselines that any surviving observation was judged against (its comparison
+        names them). A dry run deletes inside a transaction and rolls it back, so its counts are exactly
+        what a real run would delete.
+        """
+        base = aliased(ObservationRow)
+        baseline_sets = (
+            select(ObservationRow.id)
+            .join(base, (base.run_id == ObservationRow.run_id) & (base.canary_id == ObservationRow.canary_id))
+            .where(col(base.id).in_(select(BaselineRow.observation_id)))
+        )
+        survives = or_(
+            col(EventRow.started_at) >= cutoff,
+            col(EventRow.id).in_(baseline_sets),
+            col(EventRow.id).in_(select(KeepRow.observation_id)),
+        )
+        judged_against = (
+            select(OutcomeRow.baseline_id)
+            .join(EventRow, col(EventRow.outcome_id) == OutcomeRow.id)
+            .where(survives, col(OutcomeRow.baseline_id).is_not(None))
+        )
+        used = {
+            "outcome": select(EventRow.outcome_id),
+            "payload": select(OutcomeRow.payload_hash).where(col(OutcomeRow.payload_hash).is_not(None)),
+            "stack": select(OutcomeRow.stack_hash).where(col(OutcomeRow.stack_hash).is_not(None)),
+            "request": select(OutcomeRow.request_ref),
+        }
+        counts: dict[str, int] = {}
+        with self._session() as s:
+            doomed = select(EventRow.id).where(~survives, col(EventRow.id).not_in(judged_against))
+            counts["observation"] = s.exec(delete(EventRow).where(col(EventRow.id).in_(doomed))).rowcount  # type: ignore[call-overload]
+            for table, key in (
+                (OutcomeRow, OutcomeRow.id),
+                (PayloadRow, PayloadRow.hash),
+                (StackRow, StackRow.hash),
+                (RequestRow, RequestRow.hash),
+            ):
+                stmt = delete(table).where(col(key).not_in(used[table.__tablename__]))  # type: ignore[attr-defined]
+                counts[table.__tablename__] = s.exec(stmt).rowcount  # type: ignore[call-overload,attr-defined]
+            empty_run = (col(RunRow.started_at) < cutoff) & col(RunRow.id).not_in(select(EventRow.run_id))
+            counts["run"] = s.exec(delete(RunRow).where(empty_run)).rowcount  # type: ignore[call-overload]
+            if dry_run:
+                s.rollback()
+            else:
+                s.commit()
+        if not dry_run and self.engine.dialect.name == "sqlite":
+            with self.engine.connect() as conn:  # fold the WAL into the database file and truncate it
+                conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
+        return counts
