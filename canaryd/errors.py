@@ -7,6 +7,9 @@ from collections.abc import Collection
 
 from pydantic import ValidationError
 
+# The exit codes (the table is in cli.py's docstring, ``canaryd --help`` and the README).
+EXIT_OK, EXIT_DRIFT, EXIT_USAGE, EXIT_UNAVAILABLE, EXIT_INTERNAL = 0, 1, 2, 3, 4
+
 
 class InputError(Exception):
     """Bad config, canary file or argument: exit code 2. The message names the file and the field."""

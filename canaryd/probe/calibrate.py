@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 from canaryd.backends import Backend
 from canaryd.canaries import Canary
+from canaryd.config import Config
+from canaryd.errors import EXIT_DRIFT, EXIT_OK, EXIT_UNAVAILABLE, InputError
 from canaryd.judge.stats import CalibrationError, NoiseModel, fit, score
 from canaryd.probe.shapes import shape_of
 from canaryd.store import Store
@@ -77,8 +79,8 @@ def calibrate(
                 continue
             problem = None
             base = store.baseline(backend.name, cid)
-            if base is not None and base[1].request_hash == model.request_hash:
-                ev = score(model, base[1])
+            if base is not None and base.observation.request_hash == model.request_hash:
+                ev = score(model, base.observation)
                 if ev.out:
                     problem = (
                         f"the baseline lies outside the noise just measured (D {ev.statistic:.3g} > "
@@ -89,3 +91,79 @@ def calibrate(
                 store.save_calibration(backend.name, cid, model)
             out.append(Calibrated(backend.name, cid, model, errors, problem))
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class CalibrationReport:
+    """``canaryd baseline calibrate``: each canary's outcome, and the backends that could not be reached."""
+
+    results: tuple[Calibrated, ...]
+    unavailable: dict[str, str]  # backend → why it was unreachable
+
+    @property
+    def problems(self) -> list[Calibrated]:
+        """Outcomes with a reason nothing was saved."""
+        return [r for r in self.results if r.problem]
+
+    @property
+    def exit_code(self) -> int:
+        """3 when a backend was unreachable or failed the probes, else 1 when a model was not saved."""
+        if self.unavailable or any(r.unavailable for r in self.results):
+            return EXIT_UNAVAILABLE
+        return EXIT_DRIFT if self.problems else EXIT_OK
+
+    def as_dict(self) -> dict:
+        """The ``baseline calibrate --json`` document."""
+        return {"exit_code": self.exit_code, "calibrations": [r.as_dict() for r in self.results]}
+
+
+def calibrate_config(
+    config: Config,
+    *,
+    backend: str | None = None,
+    canary_ids: Sequence[str] | None = None,
+    k: int | None = None,
+    batch_sizes: Sequence[int] | None = None,
+) -> CalibrationReport:
+    """`calibrate` each (or one) backend's calibrated canaries (``canary_ids``: only these), with ``k``
+    probes each over ``batch_sizes`` (defaults: ``[compare] calibration_k`` and
+    ``calibration_batch_sizes``). An unknown or sampled canary, or ``k`` outside 2..1000, is an
+    `InputError`; an unreachable backend is reported in ``unavailable`` and the others go on."""
+    from canaryd.backends import BackendUnavailable, make_backend
+    from canaryd.canaries import load_suites
+    from canaryd.probe.run import plan
+
+    if backend is not None:
+        config.backend(backend)  # an unknown name is an InputError
+    sizes = tuple(config.compare.calibration_batch_sizes if batch_sizes is None else batch_sizes)
+    k = config.compare.calibration_k if k is None else k
+    if not 2 <= k <= 1000:
+        raise InputError(f"-k: {k} is not from 2 to 1000")
+    work = plan(config, load_suites([s.path for s in config.suites]), only=backend)
+    known = {c.id: c for cs in work.values() for c in cs}
+    for cid in canary_ids or ():
+        if cid not in known:
+            raise InputError(f"--canary: unknown canary {cid!r} (not in the suites of the chosen backends)")
+        if not shape_of(known[cid]).calibrated:
+            raise InputError(
+                f"--canary: {cid!r} is a sampled canary; its two-sample test needs no calibration"
+            )
+    results: list[Calibrated] = []
+    unavailable: dict[str, str] = {}
+    store = Store(config.storage_url, instance=config.daemon.instance)
+    try:
+        for name, canaries in work.items():
+            chosen = [c for c in canaries if not canary_ids or c.id in canary_ids]
+            # crowded batches put max(sizes) requests in flight, beyond the backend's usual concurrency
+            bcfg = config.backend(name)
+            b = make_backend(bcfg.model_copy(update={"concurrency": max(bcfg.concurrency, *sizes)}))
+            try:
+                b.snapshot()
+                results.extend(calibrate(b, chosen, store, k=k, batch_sizes=sizes, others=canaries))
+            except BackendUnavailable as e:
+                unavailable[name] = str(e)
+            finally:
+                b.close()
+    finally:
+        store.close()
+    return CalibrationReport(tuple(results), unavailable)

@@ -27,16 +27,16 @@ import hashlib
 import itertools
 import json
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
-from rich.table import Table
-
 from canaryd.backends import Backend
 from canaryd.canaries import Canary, Message
-from canaryd.errors import InputError
+from canaryd.config import Config
+from canaryd.errors import EXIT_DRIFT, EXIT_OK, EXIT_UNAVAILABLE, InputError
 from canaryd.judge.stats import common_prefix
 from canaryd.observation import Observation
 from canaryd.probe.shapes import shape_of
@@ -269,28 +269,102 @@ def run_census(
     return Census(backend.name, canary.id, {b: summarize(obs) for b, obs in observed.items()})
 
 
-def _histogram(h: dict[int, int], limit: int = 4) -> str:
-    items = [f"{i}×{c}" for i, c in h.items()]
-    return " ".join(items[:limit]) + (" …" if len(items) > limit else "") if items else "-"
+# -- the census of a config ----------------------------------------------------------------------------
 
 
-def census_table(censuses: Sequence[Census]) -> Table:
-    """One row per backend × canary × batch size."""
-    t = Table(title="canaryd census", title_justify="left")
-    cols = ("backend", "canary", "batch", "ok/n", "completions", "signatures", "modal", "1st div", "spread")
-    for col in cols:
-        t.add_column(col, overflow="fold")
-    for c in censuses:
-        for b, g in c.groups.items():
-            t.add_row(
-                c.backend,
-                c.canary,
-                str(b),
-                f"{g.ok}/{g.n}",
-                str(g.distinct_completions),
-                str(g.distinct_signatures),
-                str(g.modal_count),
-                _histogram(g.first_divergence),
-                f"{g.max_spread:.3g}",
-            )
-    return t
+@dataclass(frozen=True, slots=True)
+class CensusReport:
+    """``canaryd census``: each canary × backend's `Census`, and what could not be measured."""
+
+    requests: int
+    batch_sizes: tuple[int, ...]
+    censuses: tuple[Census, ...]
+    wall_s: tuple[float, ...]  # each census's wall time, in the order of ``censuses``
+    stacks: dict[str, str]  # backend → the stack hash it showed at the start
+    unavailable: dict[str, str]  # backend → why it was unreachable
+    strict: bool = False  # a canary that is not deterministic or not batch-invariant fails (exit 1)
+
+    @property
+    def incomplete(self) -> list[Census]:
+        """Censuses where every probe of some batch size failed."""
+        return [c for c in self.censuses if not c.complete]
+
+    @property
+    def exit_code(self) -> int:
+        if self.unavailable or self.incomplete:
+            return EXIT_UNAVAILABLE
+        if self.strict and any(False in (c.deterministic, c.batch_invariant) for c in self.censuses):
+            return EXIT_DRIFT
+        return EXIT_OK
+
+    def as_dict(self) -> dict:
+        """The ``census --json`` document (and ``--output`` file)."""
+        return {
+            "exit_code": self.exit_code,
+            "requests": self.requests,
+            "batch_sizes": list(self.batch_sizes),
+            "stacks": self.stacks,
+            "unavailable": self.unavailable,
+            "censuses": [
+                {**c.as_dict(), "wall_s": round(t, 3)}
+                for c, t in zip(self.censuses, self.wall_s, strict=True)
+            ],
+        }
+
+
+def take_census(
+    config: Config,
+    *,
+    backend: str | None = None,
+    canary_ids: Sequence[str] | None = None,
+    requests: int = 20,
+    sizes: Sequence[int] = (1, 8, 32),
+    strict: bool = False,
+) -> CensusReport:
+    """`run_census` for each chosen single-request canary of each (or one) backend; nothing is stored.
+
+    ``canary_ids`` narrows the canaries (default: all); an unknown or chained one is an `InputError`.
+    Each backend is built with room for ``max(sizes)`` requests in flight; one that is unreachable is
+    reported in ``unavailable`` and the census goes on with the others.
+    """
+    from canaryd.backends import BackendUnavailable, make_backend
+    from canaryd.canaries import load_suites
+    from canaryd.probe.run import plan
+    from canaryd.stack import stack_hash
+
+    if backend is not None:
+        config.backend(backend)  # an unknown name is an InputError
+    planned = plan(config, load_suites([s.path for s in config.suites]), only=backend)
+    # one request per probe: a chained canary's steps depend on each other's outputs, so it is left out
+    work = {b: [c for c in cs if shape_of(c).single_request] for b, cs in planned.items()}
+    chained = {c.id for cs in planned.values() for c in cs if not shape_of(c).single_request}
+    known = {c.id for cs in work.values() for c in cs}
+    for cid in canary_ids or ():
+        if cid in chained:
+            raise InputError(f"--canary: {cid!r} is a chained canary; the census takes single-request ones")
+        if cid not in known:
+            raise InputError(f"--canary: unknown canary {cid!r} (not in the suites of the chosen backends)")
+    censuses: list[Census] = []
+    walls: list[float] = []
+    stacks: dict[str, str] = {}
+    unavailable: dict[str, str] = {}
+    for name, canaries in work.items():
+        chosen = [c for c in canaries if not canary_ids or c.id in canary_ids]
+        if not chosen:
+            continue
+        # the census puts max(sizes) requests in flight at once, beyond the backend's usual concurrency
+        bcfg = config.backend(name)
+        b = make_backend(bcfg.model_copy(update={"concurrency": max(bcfg.concurrency, *sizes)}))
+        try:
+            stacks[name] = stack_hash(b.snapshot())
+            for c in chosen:
+                t0 = time.monotonic()
+                censuses.append(
+                    run_census(b, c, n=requests, batch_sizes=sizes, fillers=fillers_for(c, canaries))
+                )
+                walls.append(time.monotonic() - t0)
+        except BackendUnavailable as e:
+            unavailable[name] = str(e)
+        finally:
+            b.close()
+    return CensusReport(requests, tuple(sizes), tuple(censuses), tuple(walls), stacks, unavailable, strict)

@@ -94,15 +94,15 @@ def probe_backend(backend: Backend, canaries: Sequence[Canary], store: Store, co
     flat = [j for per_canary in judged for j in per_canary]
 
     # The cycle as a whole: combine the calibrated evidence and carry the backend's detector forward.
-    def fold(state: DetectorState) -> tuple[DetectorState | None, Decision]:
+    def fold(stored: dict) -> tuple[dict | None, Decision]:
         d = decide(
             [j.observation.canary_id for j in flat],
             [j.comparison for j in flat],
-            state,
+            DetectorState.from_dict(stored),
             arl=config.compare.arl,
             min_out=config.compare.min_out,
         )
-        return (d.state if d.cycle_e is not None else None), d
+        return (d.state.as_dict() if d.cycle_e is not None else None), d
 
     decision = store.fold_detector(backend.name, fold)
     if decision.cycle_e is not None:

@@ -43,14 +43,14 @@ def _compare(store: Store, settings: CompareConfig, obs: Observation, expect: Ex
     base = store.baseline(obs.backend, obs.canary_id)
     doc = store.calibration(obs.backend, obs.canary_id)
     comparison = compare(
-        base[1] if base else None,
+        base.observation if base else None,
         obs,
         correct=expect.check(obs.text or "") if expect and obs.ok else None,
-        baseline_correct=base[2] if base else None,
+        baseline_correct=base.correct if base else None,
         logprob_tolerance=settings.logprob_tolerance,
-        noise=NoiseModel.from_dict(doc) if isinstance(doc, dict) else doc,
+        noise=NoiseModel.from_dict(doc) if doc else None,
     )
-    return Judged(obs, comparison, base[0] if base else None)
+    return Judged(obs, comparison, base.observation_id if base else None)
 
 
 class Plain:
@@ -152,7 +152,7 @@ class Sampled(Plain):
         baseline observation: the set, and sample 0 in it, are the same either way.
         """
         base = store.baseline(observations[0].backend, canary.id)
-        baseline_id = base[0] if base else None
+        baseline_id = base.observation_id if base else None
         verdict = compare_samples(
             store.run_set(baseline_id) if baseline_id is not None else [],
             observations,

@@ -20,7 +20,7 @@ from canaryd.judge.compare import Verdict, token_delta
 from canaryd.observation import Observation
 from canaryd.report.pin import Pin, check_pin
 from canaryd.stack import FieldChange, diff, merge_stacks, stack_hash
-from canaryd.store import ObservationRow, Store
+from canaryd.store import RunStacks, Store, StoredObservation
 
 RECORD_FORMAT = "canaryd-record/1"
 
@@ -99,7 +99,7 @@ def _moved(delta: dict | None) -> float | None:
     return max(vals) if vals else None
 
 
-def _side(row: ObservationRow) -> dict:
+def _side(row: StoredObservation) -> dict:
     delta = row.comparison.get("delta")
     return {
         "observation_id": row.id,
@@ -114,28 +114,31 @@ def _side(row: ObservationRow) -> dict:
     }
 
 
-def explain_flip(good: tuple[ObservationRow, Observation], bad: tuple[ObservationRow, Observation]) -> dict:
+def explain_flip(
+    good: tuple[StoredObservation, Observation], bad: tuple[StoredObservation, Observation]
+) -> dict:
     """The last good and first bad observation side by side, what moved between them, what to revert."""
-    changes = diff(good[1].stack, bad[1].stack)
-    between = token_delta(good[1].tokens, bad[1].tokens)
+    (good_row, good_obs), (bad_row, bad_obs) = good, bad
+    changes = diff(good_obs.stack, bad_obs.stack)
+    between = token_delta(good_obs.tokens, bad_obs.tokens)
     return {
-        "backend": bad[0].backend,
-        "canary": bad[0].canary_id,
-        "last_good": _side(good[0]),
-        "first_bad": _side(bad[0]),
+        "backend": bad_row.backend,
+        "canary": bad_row.canary_id,
+        "last_good": _side(good_row),
+        "first_bad": _side(bad_row),
         "between": {
             "first_divergence": between.first_divergence,
             "max_abs_dlogprob": max(between.max_abs_dlogprob or 0.0, between.max_abs_dtop or 0.0),
-            "text_identical": good[1].text == bad[1].text,
+            "text_identical": good_obs.text == bad_obs.text,
         },
         "stack_changes": _change_dicts(changes),
         "suggestion": suggest(changes),
     }
 
 
-def last_stack_change(runs: Sequence[tuple[int, datetime, list[dict[str, str]]]]) -> dict | None:
+def last_stack_change(runs: Sequence[RunStacks]) -> dict | None:
     """The backend-level view: the newest pair of consecutive runs whose stacks differ (runs newest first)."""
-    merged = [(run_id, t, merge_stacks(stacks)) for run_id, t, stacks in runs]
+    merged = [(r.run_id, r.started_at, merge_stacks(r.stacks)) for r in runs]
     for (new_id, new_t, new), (old_id, old_t, old) in pairwise(merged):
         if new != old:
             changes = diff(old, new)
@@ -416,7 +419,7 @@ def to_markdown(rec: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def export_line(row: ObservationRow, obs: Observation) -> dict:
+def export_line(row: StoredObservation, obs: Observation) -> dict:
     """One observation with everything stored about it (tokens, logprobs, top-k, stack), JSON-ready.
 
     Python writes floats with ``repr``, the shortest text that reads back as the same float64, so the
@@ -424,7 +427,7 @@ def export_line(row: ObservationRow, obs: Observation) -> dict:
     """
     t = row.started_at if row.started_at.tzinfo else row.started_at.replace(tzinfo=UTC)
     return {
-        **row.model_dump(mode="json"),
+        **row.as_dict(),
         "started_at": t.isoformat(),
         "stack": obs.stack,
         "tokens": [

@@ -10,19 +10,17 @@ final answers that passed ``expect`` over those judged.
 Counting every step and every answer, not totals, is the point: a score can hold still while answers move
 in opposite directions (one gained, one lost), and answers can hold while the reasoning under them moves.
 Observations with an error in either run are counted apart, never as changes. Pure functions: the CLI
-reads the runs from the store.
+reads the runs from the store, and ``canaryd.report.tables`` and ``canaryd.report.console`` render the diffs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-from rich.table import Table
-
 from canaryd.observation import Observation
-from canaryd.store import ObservationRow
+from canaryd.store import StoredObservation
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +45,7 @@ class StepOutput:
         return self.error is None
 
 
-def step_output(row: ObservationRow, obs: Observation) -> StepOutput:
+def step_output(row: StoredObservation, obs: Observation) -> StepOutput:
     ids = [t.token_id for t in obs.tokens]
     return StepOutput(
         canary_id=row.canary_id,
@@ -267,83 +265,3 @@ def diff_runs(a: Run, b: Run, label: str = "") -> PairDiff:
 def pairs_of(run_ids: Sequence[int]) -> list[tuple[int, int]]:
     """``A B C D`` → ``[(A, B), (C, D)]``; an odd count is a usage error (the caller raises)."""
     return list(zip(run_ids[::2], run_ids[1::2], strict=True))
-
-
-def _points(p: float | None) -> str:
-    return "-" if p is None else f"{p:+.1f} pt"
-
-
-def _distinct(diff: PairDiff, key: str) -> str:
-    x, y = diff.a[key], diff.b[key]
-    return f"{len(x)} / {len(y)}" + ("" if not (x or y) else " (same)" if x == y else " (different)")
-
-
-def diff_table(diffs: Iterable[PairDiff]) -> Table:
-    """The seed study's table: one column per pair of runs (e.g. "Local", "API")."""
-    diffs = list(diffs)
-    t = Table(title="canaryd diff: run A → run B", title_justify="left")
-    t.add_column("between two runs")
-    for d in diffs:
-        t.add_column(d.label, overflow="fold")
-
-    def largest(d: PairDiff) -> str:
-        top = d.largest_move
-        return (
-            "-"
-            if top is None
-            else f"{abs(top.points or 0):.1f} pt" + (f" ({top.suite})" if top.points else "")
-        )
-
-    rows = [
-        ("runs", lambda d: f"{d.a['run_id']} → {d.b['run_id']}"),
-        (
-            "backend",
-            lambda d: (
-                d.a["backend"] if d.a["backend"] == d.b["backend"] else f"{d.a['backend']} → {d.b['backend']}"
-            ),
-        ),
-        ("final answers that changed", lambda d: str(d.answers)),
-        ("reasoning steps that changed", lambda d: str(d.steps)),
-        ("questions with any step change", lambda d: str(d.questions)),
-        ("answers correct → wrong", lambda d: str(len(d.to_wrong))),
-        ("answers wrong → correct", lambda d: str(len(d.to_right))),
-        ("largest score movement on one suite", largest),
-        ("system fingerprints serving each run", lambda d: _distinct(d, "system_fingerprints")),
-        ("stacks serving each run", lambda d: _distinct(d, "stack_hashes")),
-        ("canaries in one run only (A / B)", lambda d: f"{len(d.only_in_a)} / {len(d.only_in_b)}"),
-    ]
-    for name, cell in rows:
-        t.add_row(name, *(cell(d) for d in diffs))
-    return t
-
-
-def scores_table(diffs: Iterable[PairDiff]) -> Table:
-    """Score per suite in each run, and its movement (an unchanged score may hide changed answers)."""
-    diffs = list(diffs)
-    t = Table(title="scores per suite: run A → run B", title_justify="left")
-    t.add_column("suite")
-    for d in diffs:
-        t.add_column(d.label, overflow="fold")
-    suites = sorted({s.suite for d in diffs for s in d.suites})
-    for suite in suites:
-        cells = []
-        for d in diffs:
-            s = next((s for s in d.suites if s.suite == suite), None)
-            cells.append("-" if s is None else f"{s.a or '-'} → {s.b or '-'}, {_points(s.points)}")
-        t.add_row(suite, *cells)
-    return t
-
-
-def changed_lines(diffs: Iterable[PairDiff], limit: int = 10) -> list[str]:
-    """One line per pair naming the questions that changed and the step where each first changed."""
-    lines = []
-    for d in diffs:
-        if not d.first_changed_step:
-            continue
-        named = [
-            q if step == q else f"{q} (from {step.partition(':')[2]})"
-            for q, step in list(d.first_changed_step.items())[:limit]
-        ]
-        more = len(d.first_changed_step) - limit
-        lines.append(f"{d.label}: changed: {', '.join(named)}" + (f" and {more} more" if more > 0 else ""))
-    return lines

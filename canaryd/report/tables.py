@@ -1,9 +1,13 @@
-"""Human tables (rich) and machine JSON for probe results, history and stacks."""
+"""Human tables (rich) and machine JSON: probe results, pins, censuses, calibrations, run diffs, history.
+
+Every rich table the CLI prints is built here; ``canaryd.report.console`` decides what goes where.
+"""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
@@ -11,18 +15,12 @@ from rich.table import Table
 from canaryd.judge.compare import Verdict
 from canaryd.probe.calibrate import Calibrated
 from canaryd.probe.run import Result
-from canaryd.store import ObservationRow
+from canaryd.store import StoredObservation
 
-_STYLE = {
-    Verdict.IDENTICAL: "green",
-    Verdict.NOISE: "green",
-    Verdict.BASELINE: "cyan",
-    Verdict.STACK_CHANGE: "yellow",
-    Verdict.LOGPROB_DRIFT: "yellow",
-    Verdict.ANSWER_DRIFT: "red",
-    Verdict.REGRESSION: "bold red",
-    Verdict.ERROR: "magenta",
-}
+if TYPE_CHECKING:
+    from canaryd.probe.census import Census
+    from canaryd.report.pin import PinReport
+    from canaryd.report.rundiff import PairDiff
 
 
 def _num(x: float | None) -> str:
@@ -81,7 +79,7 @@ def results_table(results: Sequence[Result]) -> Table:
         t.add_row(
             r.observation.backend,
             r.observation.canary_id + (f" ×{len(group)}" if len(group) > 1 else ""),
-            f"[{_STYLE[c.verdict]}]{c.verdict.value}[/]",
+            f"[{c.verdict.style}]{c.verdict.value}[/]",
             _correct(group),
             "-" if d is None or d.first_divergence is None else str(d.first_divergence),
             _num(moved),
@@ -108,7 +106,7 @@ def stack_changes_table(results: Sequence[Result]) -> Table | None:
     return t
 
 
-def history_table(rows: Sequence[ObservationRow]) -> Table:
+def history_table(rows: Sequence[StoredObservation]) -> Table:
     t = Table(title="history (newest first)", title_justify="left")
     for col in (
         "id",
@@ -132,7 +130,7 @@ def history_table(rows: Sequence[ObservationRow]) -> Table:
             o.started_at.strftime("%Y-%m-%d %H:%M:%S"),
             o.backend,
             o.canary_id,
-            f"[{_STYLE[Verdict(o.verdict)]}]{o.verdict}[/]",
+            f"[{Verdict(o.verdict).style}]{o.verdict}[/]",
             _tick(o.correct),
             (answer or "")[:60],
             o.stack_hash or "-",
@@ -177,4 +175,112 @@ def calibration_table(results: Sequence[Calibrated]) -> Table:
             f"{_num(s['spread_median'])} / {_num(s['spread_max'])}",
             _num(s["threshold"]),
         )
+    return t
+
+
+def pin_table(report: PinReport) -> Table:
+    """One row per pinned field that moved or is new, and per pinned backend that could not be reached."""
+    t = Table(title="pin", title_justify="left")
+    for col in ("backend", "field", "pinned", "now", "status"):
+        t.add_column(col, overflow="fold")
+    for f in report.fields:
+        status = "new (not failing)" if not f.moved else ("gone" if f.now is None else "moved")
+        t.add_row(f.backend, f.field, f.pinned or "(absent)", f.now or "(absent)", status)
+    for b in report.unreachable:
+        t.add_row(b, "-", "-", "-", "unreachable")
+    return t
+
+
+def _histogram(h: dict[int, int], limit: int = 4) -> str:
+    items = [f"{i}×{c}" for i, c in h.items()]
+    return " ".join(items[:limit]) + (" …" if len(items) > limit else "") if items else "-"
+
+
+def census_table(censuses: Sequence[Census]) -> Table:
+    """One row per backend × canary × batch size."""
+    t = Table(title="canaryd census", title_justify="left")
+    cols = ("backend", "canary", "batch", "ok/n", "completions", "signatures", "modal", "1st div", "spread")
+    for col in cols:
+        t.add_column(col, overflow="fold")
+    for c in censuses:
+        for b, g in c.groups.items():
+            t.add_row(
+                c.backend,
+                c.canary,
+                str(b),
+                f"{g.ok}/{g.n}",
+                str(g.distinct_completions),
+                str(g.distinct_signatures),
+                str(g.modal_count),
+                _histogram(g.first_divergence),
+                f"{g.max_spread:.3g}",
+            )
+    return t
+
+
+# -- run diffs (canaryd.report.rundiff) ------------------------------------------------------------------
+
+
+def _points(p: float | None) -> str:
+    return "-" if p is None else f"{p:+.1f} pt"
+
+
+def _distinct(diff: PairDiff, key: str) -> str:
+    x, y = diff.a[key], diff.b[key]
+    return f"{len(x)} / {len(y)}" + ("" if not (x or y) else " (same)" if x == y else " (different)")
+
+
+def diff_table(diffs: Iterable[PairDiff]) -> Table:
+    """The seed study's table: one column per pair of runs (e.g. "Local", "API")."""
+    diffs = list(diffs)
+    t = Table(title="canaryd diff: run A → run B", title_justify="left")
+    t.add_column("between two runs")
+    for d in diffs:
+        t.add_column(d.label, overflow="fold")
+
+    def largest(d: PairDiff) -> str:
+        top = d.largest_move
+        return (
+            "-"
+            if top is None
+            else f"{abs(top.points or 0):.1f} pt" + (f" ({top.suite})" if top.points else "")
+        )
+
+    rows = [
+        ("runs", lambda d: f"{d.a['run_id']} → {d.b['run_id']}"),
+        (
+            "backend",
+            lambda d: (
+                d.a["backend"] if d.a["backend"] == d.b["backend"] else f"{d.a['backend']} → {d.b['backend']}"
+            ),
+        ),
+        ("final answers that changed", lambda d: str(d.answers)),
+        ("reasoning steps that changed", lambda d: str(d.steps)),
+        ("questions with any step change", lambda d: str(d.questions)),
+        ("answers correct → wrong", lambda d: str(len(d.to_wrong))),
+        ("answers wrong → correct", lambda d: str(len(d.to_right))),
+        ("largest score movement on one suite", largest),
+        ("system fingerprints serving each run", lambda d: _distinct(d, "system_fingerprints")),
+        ("stacks serving each run", lambda d: _distinct(d, "stack_hashes")),
+        ("canaries in one run only (A / B)", lambda d: f"{len(d.only_in_a)} / {len(d.only_in_b)}"),
+    ]
+    for name, cell in rows:
+        t.add_row(name, *(cell(d) for d in diffs))
+    return t
+
+
+def scores_table(diffs: Iterable[PairDiff]) -> Table:
+    """Score per suite in each run, and its movement (an unchanged score may hide changed answers)."""
+    diffs = list(diffs)
+    t = Table(title="scores per suite: run A → run B", title_justify="left")
+    t.add_column("suite")
+    for d in diffs:
+        t.add_column(d.label, overflow="fold")
+    suites = sorted({s.suite for d in diffs for s in d.suites})
+    for suite in suites:
+        cells = []
+        for d in diffs:
+            s = next((s for s in d.suites if s.suite == suite), None)
+            cells.append("-" if s is None else f"{s.a or '-'} → {s.b or '-'}, {_points(s.points)}")
+        t.add_row(suite, *cells)
     return t

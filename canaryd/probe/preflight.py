@@ -1,0 +1,249 @@
+"""The gate around a probe pass: ``check`` (with or without ``--pin``), ``pin`` and ``preflight``.
+
+A pass's exit code is the gate: unreachable (3) beats drift (1) beats identical (0); against a pin, a pinned
+field that moved or a pinned backend that could not be confirmed fails an otherwise clean pass (1).
+``preflight`` runs that gate, starts the benchmark command only when it passes, probes again afterwards
+and writes the reproducibility record (``canaryd.report.record``) beside the command's output.
+
+Each function returns a report object (data and an exit code); ``canaryd.report.console`` prints it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from importlib.metadata import version as dist_version
+from pathlib import Path
+
+from canaryd.config import Config
+from canaryd.errors import EXIT_DRIFT, EXIT_OK, EXIT_UNAVAILABLE, InputError
+from canaryd.judge.compare import Verdict
+from canaryd.observation import Observation
+from canaryd.probe.run import Result, run_pass
+from canaryd.report.pin import Pin, PinnedBackend, PinReport, check_pin
+from canaryd.report.record import build_record, summarize, to_markdown
+from canaryd.report.tables import result_dict
+from canaryd.stack import merge_stacks
+from canaryd.store import Store
+
+
+def gate(results: Sequence[Result]) -> int:
+    """The exit code of a probe pass: unreachable beats drift beats identical."""
+    if any(r.comparison.verdict is Verdict.ERROR for r in results):
+        return EXIT_UNAVAILABLE
+    if any(r.comparison.verdict.is_drift for r in results):
+        return EXIT_DRIFT
+    return EXIT_OK
+
+
+def stacks_now(results: Sequence[Result]) -> dict[str, dict[str, str]]:
+    """Each probed backend's stack in this pass ({} when no canary got through)."""
+    names = dict.fromkeys(r.observation.backend for r in results)
+    return {
+        b: merge_stacks(
+            r.observation.stack for r in results if r.observation.backend == b and r.observation.ok
+        )
+        for b in names
+    }
+
+
+def pinned_config(config: Config, pin: Pin, pin_path: Path, backend: str | None) -> Config:
+    """The config narrowed to the pinned backends: a check against a pin probes what the pin names."""
+    names = {b.name for b in config.backends}
+    for name in pin.backends:
+        if name not in names:
+            raise InputError(f"{pin_path}: backend {name!r} is not in {config.path}")
+    if backend is not None and backend not in pin.backends:
+        raise InputError(f"{pin_path}: backend {backend!r} is not pinned (pinned: {', '.join(pin.backends)})")
+    return config.model_copy(update={"backends": tuple(b for b in config.backends if b.name in pin.backends)})
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+# -- check ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PassCheck:
+    """One probe pass and, when a pin was given, how the stack compares with it."""
+
+    results: tuple[Result, ...]
+    pin: PinReport | None = None
+
+    @property
+    def exit_code(self) -> int:
+        code = gate(self.results)
+        if code == EXIT_OK and self.pin is not None and not self.pin.matches:
+            return EXIT_DRIFT
+        return code
+
+    @property
+    def first_error(self) -> Observation | None:
+        """The first observation that could not be judged (a backend down or failing)."""
+        return next((r.observation for r in self.results if r.comparison.verdict is Verdict.ERROR), None)
+
+    def as_dict(self) -> dict:
+        """The ``check --json`` (and ``probe --json``) document."""
+        doc: dict = {"exit_code": self.exit_code, "results": [result_dict(r) for r in self.results]}
+        if self.pin is not None:
+            doc["pin"] = self.pin.as_dict()
+        return doc
+
+
+def checked_pass(
+    config: Config, backend: str | None = None, pin: Pin | None = None, pin_path: Path | None = None
+) -> PassCheck:
+    """Probe every (or one) backend once; with a pin, only the pinned backends, and check the pin."""
+    if pin is None:
+        return PassCheck(tuple(run_pass(config, only=backend)))
+    if pin_path is None:
+        raise ValueError("checked_pass: a pin comes with its path")
+    return _pinned_pass(pinned_config(config, pin, pin_path, backend), backend, pin, pin_path)
+
+
+def _pinned_pass(config: Config, backend: str | None, pin: Pin, pin_path: Path) -> PassCheck:
+    results = run_pass(config, only=backend)
+    return PassCheck(tuple(results), check_pin(pin, stacks_now(results), str(pin_path)))
+
+
+# -- pin ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PinTaken:
+    """``canaryd pin``: each backend's stack as it is now, or the failure that left nothing pinned."""
+
+    pin: Pin | None  # None: a backend failed, so nothing was pinned
+    failed: Observation | None = None  # the first observation that failed
+    drifted: int = 0  # canaries that drifted from their baselines (a note; a pin describes what is)
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_UNAVAILABLE if self.pin is None else EXIT_OK
+
+
+def take_pin(config: Config, backend: str | None = None) -> PinTaken:
+    """Probe once and pin each backend's stack; its observations are kept in the store as the evidence."""
+    checked = PassCheck(tuple(run_pass(config, only=backend)))
+    if gate(checked.results) == EXIT_UNAVAILABLE:
+        return PinTaken(None, checked.first_error)
+    runs = {r.observation.backend: r.run_id for r in checked.results}
+    pinned = Pin(
+        created=_now(),
+        canaryd=dist_version("canaryd"),
+        backends={
+            b: PinnedBackend(config.backend(b).kind, s, runs[b])
+            for b, s in stacks_now(checked.results).items()
+        },
+    )
+    store = Store(config.storage_url, instance=config.daemon.instance)
+    try:
+        store.keep([r.observation_id for r in checked.results], "pin")
+    finally:
+        store.close()
+    return PinTaken(pinned, drifted=sum(r.comparison.verdict.is_drift for r in checked.results))
+
+
+# -- preflight ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PreflightReport:
+    """What ``canaryd preflight`` did: the gate, and (when it passed) the command and its record."""
+
+    command: tuple[str, ...]
+    check: PassCheck  # the pass before the command, with its pin check
+    out_dir: Path
+    returncode: int | None = None  # None: the command was not started
+    start_error: str | None = None  # why the command could not be started
+    record: dict | None = None  # the reproducibility record written to out_dir (when the command ran)
+
+    @property
+    def refused(self) -> bool:
+        """The gate failed, so the command was not started."""
+        return self.check.exit_code != EXIT_OK
+
+    @property
+    def held(self) -> bool | None:
+        """Whether the stack and canaries held while the command ran (None: no post-check)."""
+        post = (self.record or {}).get("post_run")
+        return None if post is None else bool(post["held"])
+
+    @property
+    def record_path(self) -> Path:
+        return self.out_dir / "canaryd-record.md"
+
+    @property
+    def exit_code(self) -> int:
+        """The gate's code when it failed, 127 when the command could not start, else the command's own
+        (128 + N for a command killed by signal N)."""
+        if self.refused:
+            return self.check.exit_code
+        if self.returncode is None:
+            return 127
+        return self.returncode if self.returncode >= 0 else 128 - self.returncode
+
+
+def run_preflight(
+    config: Config,
+    pin: Pin,
+    pin_path: Path,
+    command: Sequence[str],
+    out_dir: Path,
+    *,
+    backend: str | None = None,
+    post_check: bool = True,
+    on_checked: Callable[[PassCheck], None] | None = None,
+) -> PreflightReport:
+    """Probe and check the pin; if nothing moved, keep the evidence, run ``command``, probe again (with
+    ``post_check``) and write ``canaryd-record.json`` and ``.md`` into ``out_dir``.
+
+    ``on_checked`` sees the first pass before the command starts (the CLI prints its tables there).
+    """
+    config = pinned_config(config, pin, pin_path, backend)
+    checked = _pinned_pass(config, backend, pin, pin_path)
+    if on_checked is not None:
+        on_checked(checked)
+    argv = tuple(command)
+    if checked.exit_code != EXIT_OK:
+        return PreflightReport(argv, checked, out_dir)
+    store = Store(config.storage_url, instance=config.daemon.instance)
+    try:
+        store.keep([r.observation_id for r in checked.results], "preflight")
+    finally:
+        store.close()
+    started = _now()
+    try:
+        returncode = subprocess.run(list(argv), check=False).returncode
+    except OSError as e:
+        return PreflightReport(argv, checked, out_dir, start_error=str(e.strerror or e))
+    finished = _now()
+    after = run_pass(config, only=backend) if post_check else []
+    store = Store(config.storage_url, instance=config.daemon.instance)
+    try:
+        store.keep([r.observation_id for r in after], "preflight")
+        runs = sorted({r.run_id for r in checked.results})
+        rec = build_record(store, runs, pin=pin, pin_path=str(pin_path), version=dist_version("canaryd"))
+        rec["command"] = {
+            "argv": list(argv),
+            "cwd": str(Path.cwd()),
+            "started": started,
+            "finished": finished,
+            "exit_code": returncode,
+        }
+        if after:
+            post = build_record(store, sorted({r.run_id for r in after}), pin=pin, pin_path=str(pin_path))
+            rec["post_run"] = summarize(post)
+    finally:
+        store.close()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "canaryd-record.json").write_text(
+        json.dumps(rec, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
+    )
+    (out_dir / "canaryd-record.md").write_text(to_markdown(rec), encoding="utf-8")
+    return PreflightReport(argv, checked, out_dir, returncode, record=rec)
