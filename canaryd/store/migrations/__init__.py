@@ -1,1 +1,1 @@
-"""Alembic migrations of the history database (SQLite and PostgreSQL); run by ``canaryd.store.engine.migrate``."""
+"""Alembic migrations of the history database (SQLite and PostgreSQL); run by ``store.engine.migrate``."""

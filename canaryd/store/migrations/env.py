@@ -1,6 +1,6 @@
 """Alembic environment for canaryd's history database.
 
-Run by ``canaryd.store.engine.migrate`` (which hands over an open connection inside its own transaction, holding
+Run by ``store.engine.migrate`` (which hands over an open connection inside its own transaction, holding
 the migration lock), by ``canaryd db upgrade``, or by a developer through the repository's ``alembic.ini``
 (``alembic revision --autogenerate -m "..."``). ``render_as_batch`` makes autogenerate write SQLite-safe
 batch operations; the ``observation`` view is excluded from autogenerate and written by hand in the
