@@ -31,8 +31,9 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from canaryd import log as logsetup
 from canaryd.canaries import load_suites
-from canaryd.config import Config, find_config, load_config, parse_duration
+from canaryd.config import Config, find_config, load_config
 from canaryd.errors import EXIT_DRIFT, EXIT_INTERNAL, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, InputError
+from canaryd.fields import parse_duration, since_time
 from canaryd.report.pin import load_pin
 
 if TYPE_CHECKING:
@@ -223,19 +224,6 @@ def explain(
     show_explain(doc, as_json)
 
 
-def _since(value: str) -> datetime:
-    """An ISO 8601 time (naive means UTC) or a duration back from now (2h, 30m, 7d)."""
-    try:
-        return datetime.now(UTC) - timedelta(seconds=parse_duration(value))
-    except ValueError:
-        pass
-    try:
-        t = datetime.fromisoformat(value)
-    except ValueError:
-        raise InputError(f"--since: {value!r} is neither an ISO 8601 time nor a duration (e.g. 2h)") from None
-    return (t if t.tzinfo else t.replace(tzinfo=UTC)).astimezone(UTC)
-
-
 def _write(text: str, path: Path | None) -> None:
     if path is None:
         sys.stdout.write(text)
@@ -253,7 +241,7 @@ def record_cmd(
     out_file: Annotated[Path | None, typer.Option("--out", help="Write here (default: stdout).")] = None,
 ) -> None:
     """The reproducibility record of a session, from the store: stack, pin, canaries, changes, pointers."""
-    from canaryd.report.record import build_record, to_markdown
+    from canaryd.report.record import record_of, to_markdown
 
     if (not run) == (since is None):
         raise InputError("record: give either --run ID (repeatable) or --since TIME")
@@ -261,13 +249,8 @@ def record_cmd(
         raise InputError(f"--format: {fmt!r} is not md or json")
     pinned = load_pin(pin) if pin is not None else None
     with _store(_config(ctx)) as store:
-        run_ids = run or store.run_ids(_since(since))  # type: ignore[arg-type]
-        if not run_ids:
-            raise InputError(f"record: no runs since {since}")
-        rec = build_record(
-            store, run_ids, pin=pinned, pin_path=str(pin or ""), version=dist_version("canaryd")
-        )
-        store.keep(rec["storage"]["observation_ids"], "record")
+        run_ids = run or store.run_ids(since_time(since))  # type: ignore[arg-type]
+        rec = record_of(store, run_ids, since, pinned, str(pin or ""))
     _write(
         json.dumps(rec, indent=2, ensure_ascii=False) + "\n" if fmt == "json" else to_markdown(rec), out_file
     )
@@ -346,23 +329,14 @@ def diff_cmd(
     Exit 0 when no answer or step changed in any pair, 1 when one did (like diff(1)).
     """
     from canaryd.report.console import show_diff
-    from canaryd.report.rundiff import Run, diff_runs, pairs_of, step_output
+    from canaryd.report.rundiff import diff_pairs
 
     if len(runs) % 2:
         raise InputError(f"diff: run ids come in pairs (A B [C D ...]), got {len(runs)}")
     if label and len(label) != len(runs) // 2:
         raise InputError(f"--label: {len(label)} label(s) for {len(runs) // 2} pair(s) of runs")
-    loaded: dict[int, Run] = {}
     with _store(_config(ctx)) as store:
-        for rid in dict.fromkeys(runs):
-            info = store.run(rid)
-            if info is None:
-                raise InputError(f"diff: no run {rid} in {store.url}")
-            stored = store.load(store.ids_of_runs([rid]))
-            loaded[rid] = Run(rid, info.backend, info.started_at, tuple(step_output(r, o) for r, o in stored))
-    diffs = [
-        diff_runs(loaded[a], loaded[b], label[i] if label else "") for i, (a, b) in enumerate(pairs_of(runs))
-    ]
+        diffs = diff_pairs(store, runs, label)
     code = EXIT_DRIFT if any(d.changed for d in diffs) else EXIT_OK
     show_diff(diffs, code, as_json, out)
     raise typer.Exit(code)
@@ -378,11 +352,9 @@ def history(
 ) -> None:
     """Stored observations, newest first."""
     from canaryd.report.console import show_history
-    from canaryd.store import Store
 
-    store = Store(_config(ctx).storage_url)
-    rows = store.observations(backend=backend, canary_id=canary, limit=limit)
-    store.close()
+    with _store(_config(ctx)) as store:
+        rows = store.observations(backend=backend, canary_id=canary, limit=limit)
     show_history(rows, as_json, out)
 
 
@@ -394,11 +366,9 @@ def stack(
 ) -> None:
     """Every distinct serving stack each backend has shown, and what changed between them."""
     from canaryd.report.console import show_stacks
-    from canaryd.store import Store
 
-    store = Store(_config(ctx).storage_url)
-    stacks = store.stacks(backend)
-    store.close()
+    with _store(_config(ctx)) as store:
+        stacks = store.stacks(backend)
     show_stacks(stacks, as_json, out)
 
 
@@ -412,16 +382,14 @@ def baseline_accept(
 ) -> None:
     """Make the latest successful observation the baseline (after an intended change)."""
     from canaryd.report.console import show_accepted
-    from canaryd.store import Store
 
     cfg = _config(ctx)
     if backend is not None:
         cfg.backend(backend)
-    store = Store(cfg.storage_url)
-    accepted = store.accept_latest(backend, canary)
-    # a noise model measured on the old stack would call the new one "out" forever
-    dropped = store.drop_calibrations([(a.backend, a.canary_id) for a in accepted])
-    store.close()
+    with _store(cfg) as store:
+        accepted = store.accept_latest(backend, canary)
+        # a noise model measured on the old stack would call the new one "out" forever
+        dropped = store.drop_calibrations([(a.backend, a.canary_id) for a in accepted])
     show_accepted(accepted, dropped)
     if not accepted:
         raise InputError("baseline accept: no successful observation matches; run `canaryd probe` first")
@@ -466,15 +434,9 @@ app.add_typer(db_app, name="db")
 def db_upgrade(ctx: typer.Context) -> None:
     """Migrate the database to this canaryd's schema (every command and the daemon also do it at start)."""
     from canaryd.report.console import show_migration
-    from canaryd.store.engine import make_engine, migrate
+    from canaryd.store.engine import upgrade
 
-    engine = make_engine(_config(ctx).storage_url)
-    try:
-        before, after = migrate(engine)
-        where = engine.url.render_as_string(hide_password=True)
-    finally:
-        engine.dispose()
-    show_migration(where, before, after)
+    show_migration(*upgrade(_config(ctx).storage_url))
 
 
 @db_app.command("current")
@@ -484,13 +446,9 @@ def db_current(
 ) -> None:
     """Print the database's schema revision (changes nothing)."""
     from canaryd.report.console import show_revision
-    from canaryd.store.engine import SCHEMA_REVISION, current_revision, known_revisions, make_engine
+    from canaryd.store.engine import SCHEMA_REVISION, known_revisions, revision
 
-    engine = make_engine(_config(ctx).storage_url)
-    try:
-        rev = current_revision(engine)
-    finally:
-        engine.dispose()
+    rev = revision(_config(ctx).storage_url)
     show_revision(rev, SCHEMA_REVISION, known_revisions())
     if check and rev != SCHEMA_REVISION:
         raise typer.Exit(EXIT_DRIFT)

@@ -231,6 +231,19 @@ def _change_lines(changes: list[dict], title: str) -> list[str]:
     return [f"  {title}:"] + [f"    {c['field']}: {_shown(c['from'])} -> {_shown(c['to'])}" for c in changes]
 
 
+def record_of(
+    store: Store, run_ids: Sequence[int], since: str | None, pin: Pin | None, pin_path: str
+) -> dict:
+    """`canaryd record`: the record of these runs (found ``since`` a time), kept from pruning."""
+    from importlib.metadata import version
+
+    if not run_ids:
+        raise InputError(f"record: no runs since {since}")
+    rec = build_record(store, run_ids, pin=pin, pin_path=pin_path, version=version("canaryd"))
+    store.keep(rec["storage"]["observation_ids"], "record")
+    return rec
+
+
 def build_record(
     store: Store,
     run_ids: Sequence[int],

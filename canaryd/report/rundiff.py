@@ -19,8 +19,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
+from canaryd.errors import InputError
 from canaryd.observation import Observation
-from canaryd.store import StoredObservation
+from canaryd.store import Store, StoredObservation
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,3 +266,18 @@ def diff_runs(a: Run, b: Run, label: str = "") -> PairDiff:
 def pairs_of(run_ids: Sequence[int]) -> list[tuple[int, int]]:
     """``A B C D`` → ``[(A, B), (C, D)]``; an odd count is a usage error (the caller raises)."""
     return list(zip(run_ids[::2], run_ids[1::2], strict=True))
+
+
+def diff_pairs(store: Store, runs: Sequence[int], labels: Sequence[str] | None = None) -> list[PairDiff]:
+    """Each pair (A B, C D, …) of stored runs diffed, labelled in order; an unknown run is an InputError."""
+    loaded: dict[int, Run] = {}
+    for rid in dict.fromkeys(runs):
+        info = store.run(rid)
+        if info is None:
+            raise InputError(f"diff: no run {rid} in {store.url}")
+        stored = store.load(store.ids_of_runs([rid]))
+        loaded[rid] = Run(rid, info.backend, info.started_at, tuple(step_output(r, o) for r, o in stored))
+    return [
+        diff_runs(loaded[a], loaded[b], labels[i] if labels else "")
+        for i, (a, b) in enumerate(pairs_of(runs))
+    ]

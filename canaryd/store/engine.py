@@ -221,3 +221,22 @@ def _migrate(engine: Engine) -> tuple[str | None, str]:
         if before != SCHEMA_REVISION:
             command.upgrade(alembic_config(conn), "head")
     return before, current_revision(engine) or ""
+
+
+def upgrade(url: str) -> tuple[str, str | None, str]:
+    """`canaryd db upgrade`: (the database without credentials, revision before, revision after)."""
+    engine = make_engine(url)
+    try:
+        before, after = migrate(engine)
+        return label(engine), before, after
+    finally:
+        engine.dispose()
+
+
+def revision(url: str) -> str | None:
+    """`canaryd db current`: the database's revision (None: empty), changing nothing."""
+    engine = make_engine(url)
+    try:
+        return current_revision(engine)
+    finally:
+        engine.dispose()
