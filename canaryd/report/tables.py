@@ -18,7 +18,7 @@ from canaryd.probe.run import Result
 from canaryd.store import StoredObservation
 
 if TYPE_CHECKING:
-    from canaryd.probe.census import Census
+    from canaryd.judge.census import Census
     from canaryd.report.pin import PinReport
     from canaryd.report.rundiff import PairDiff
 
