@@ -30,6 +30,10 @@ if TYPE_CHECKING:
     from canaryd.store import Store
 
 
+Probes = dict[str, list[Observation]]  # observed id → its K calibration probes
+Sizes = Sequence[int]  # load levels: 1 alone, b beside b − 1 fillers
+
+
 @dataclass(frozen=True, slots=True)
 class Judged:
     """One observation with its comparison and the baseline observation it was compared with."""
@@ -75,14 +79,8 @@ class Plain:
         return judged
 
     def calibration_probes(
-        self,
-        backend: Backend,
-        canary: Canary,
-        others: Sequence[Canary],
-        *,
-        k: int,
-        batch_sizes: Sequence[int],
-    ) -> dict[str, list[Observation]]:
+        self, backend: Backend, canary: Canary, others: Sequence[Canary], *, k: int, batch_sizes: Sizes
+    ) -> Probes:
         """K honest probes per observed id, for `canaryd.judge.stats.fit`: split over the load levels (alone,
         and inside crowded batches), the first levels taking the remainder."""
         from canaryd.probe.census import collect, fillers_for  # census asks shapes which canaries fill
@@ -116,14 +114,8 @@ class Chained(Plain):
         return [Judged(*j) for j in marked]
 
     def calibration_probes(
-        self,
-        backend: Backend,
-        canary: Canary,
-        others: Sequence[Canary],
-        *,
-        k: int,
-        batch_sizes: Sequence[int],
-    ) -> dict[str, list[Observation]]:
+        self, backend: Backend, canary: Canary, others: Sequence[Canary], *, k: int, batch_sizes: Sizes
+    ) -> Probes:
         """The chain run K times in sequence: its steps depend on each other's outputs, so no batching."""
         runs = [run_chain(backend, canary) for _ in range(k)]
         return {obs.canary_id: [r[i] for r in runs] for i, obs in enumerate(runs[0])}
