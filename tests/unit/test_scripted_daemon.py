@@ -1,0 +1,191 @@
+"""The daemon (`canaryd.daemon.service.Daemon`) on scripted backends: its scheduler really runs (a 1 s
+interval), its listener really serves ``/metrics``, and ``reload()`` swaps the config as SIGHUP does.
+
+Waits poll the metrics registry instead of sleeping a fixed time; each test takes a few seconds, most of
+it the 1 s schedule.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+
+import httpx2
+import pytest
+from prometheus_client import generate_latest
+
+from canaryd.config import load_config
+from canaryd.daemon.service import Daemon
+from tests.unit.scripted_lab import PLAIN, change, free_port, scripted
+
+IDS = ["add", "capital", "colors"]
+EXTRA = """
+[suite]
+name = "extra"
+[[canary]]
+id = "greet"
+messages = [{ role = "user", content = "Say hello." }]
+expect = { exact = "hello", answer = "hello" }
+"""
+
+
+def write(root, backends: str, suites: list[str], listen: int) -> None:
+    """The daemon's config: the given backends and suites, metrics on ``listen``, one 1 s schedule."""
+    (root / "plain.toml").write_text(PLAIN)
+    (root / "extra.toml").write_text(EXTRA)
+    (root / "canaryd.toml").write_text(
+        f'state_dir = "state"\nsuites = {json.dumps(suites)}\n'
+        + backends
+        + f'\n[daemon]\nlisten = "127.0.0.1:{listen}"\ninstance = "unit"\n'
+        + '[[schedules]]\nname = "fast"\nevery = "1s"\n'
+    )
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    """Write a config and start a Daemon on it (listener on a free port, scheduler running); every daemon
+    started is stopped at the end (scheduler, listener, store)."""
+    started: list[Daemon] = []
+
+    def start(backends: str, suites: list[str] | None = None) -> Daemon:
+        write(tmp_path, backends, suites or ["plain.toml"], free_port())
+        path = tmp_path / "canaryd.toml"
+        d = Daemon(path, load_config(path))
+        started.append(d)
+        d.start()
+        return d
+
+    yield start
+    for d in started:
+        d.stop()
+
+
+def port(d: Daemon) -> int:
+    return d.config.daemon.host_port[1]
+
+
+def value(d: Daemon, name: str, **labels: str) -> float | None:
+    return d.metrics.registry.get_sample_value(name, labels)
+
+
+def wait(what: str, check: Callable[[], object], timeout: float = 15) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def passes(d: Daemon, backend: str, canary: str) -> float:
+    return value(d, "canaryd_canary_probes_total", backend=backend, canary=canary) or 0
+
+
+def test_the_daemon_probes_on_its_schedule_and_exports_the_scripted_series(daemon):
+    d = daemon(scripted())
+    wait("two passes", lambda: all(passes(d, "fake", c) >= 2 for c in IDS))
+    assert value(d, "canaryd_schedule_runs_total", schedule="fast") >= 2
+    for c in IDS:
+        v = {
+            verdict: value(d, "canaryd_canary_verdict", backend="fake", canary=c, verdict=verdict)
+            for verdict in ("baseline", "identical", "error")
+        }
+        assert v == {"baseline": 0, "identical": 1, "error": 0}, c  # the last pass: identical
+        assert value(d, "canaryd_canary_verdicts_total", backend="fake", canary=c, verdict="baseline") == 1
+        assert value(d, "canaryd_canary_probe_success", backend="fake", canary=c) == 1
+        assert value(d, "canaryd_canary_correct", backend="fake", canary=c) == 1
+        assert value(d, "canaryd_canary_probe_interval_seconds", backend="fake", canary=c) == 1
+    assert value(d, "canaryd_backend_reachable", backend="fake") == 1
+    assert value(d, "canaryd_backend_stack_changes_total", backend="fake") == 0
+
+    # rendered for Prometheus: the stack series names the kind and its engine version
+    rendered = generate_latest(d.metrics.registry).decode()
+    (info,) = [line for line in rendered.splitlines() if line.startswith("canaryd_backend_stack_info{")]
+    assert 'backend="fake"' in info and 'kind="scripted"' in info and 'engine_version="1"' in info
+    assert 'fingerprint="fp_scripted"' in info and info.endswith(" 1.0")
+    line = 'canaryd_canary_verdict{backend="fake",canary="add",verdict="identical"} 1.0'
+    assert line in rendered.splitlines()
+    # and the daemon's own listener serves it
+    served = httpx2.get(f"http://127.0.0.1:{port(d)}/metrics", timeout=5).text
+    assert line in served.splitlines() and info in served.splitlines()
+
+    # every pass is stored: as many runs as passes, one observation per canary each
+    runs = {o.run_id for o in d.store.observations(backend="fake", limit=100)}
+    assert len(runs) >= 2
+
+
+def test_a_change_shows_up_in_the_series_of_the_next_pass(daemon):
+    d = daemon(scripted(body=change(at=3, canaries=["add"], logprob_shift=-0.25)))
+    wait("the third pass", lambda: passes(d, "fake", "add") >= 3)
+    assert value(d, "canaryd_canary_verdict", backend="fake", canary="add", verdict="logprob-drift") == 1
+    assert value(d, "canaryd_canary_logprob_delta_max", backend="fake", canary="add") == pytest.approx(0.25)
+    assert value(d, "canaryd_canary_text_match", backend="fake", canary="add") == 1
+    assert value(d, "canaryd_canary_verdict", backend="fake", canary="capital", verdict="identical") == 1
+
+
+def test_reload_applies_a_new_suite_and_backend_and_an_invalid_config_keeps_the_old_one(daemon, tmp_path):
+    d = daemon(scripted())
+    wait("the first pass", lambda: passes(d, "fake", "add") >= 1)
+
+    write(tmp_path, scripted() + scripted("second"), ["plain.toml", "extra.toml"], port(d))
+    assert d.reload() is True
+    assert value(d, "canaryd_config_reloads_total") == 1
+    wait("the new backend and canary", lambda: passes(d, "second", "greet") >= 2)
+    assert passes(d, "fake", "greet") >= 1
+    assert value(d, "canaryd_canary_verdict", backend="second", canary="greet", verdict="identical") == 1
+    assert {s.name for s in d.config.schedules} == {"fast"} and len(d.config.backends) == 2
+
+    # a config that does not validate: rejected, counted, and the old one keeps probing
+    (tmp_path / "canaryd.toml").write_text(
+        (tmp_path / "canaryd.toml").read_text().replace('kind = "scripted"', 'kind = "tgi"', 1)
+    )
+    before = passes(d, "second", "greet")
+    assert d.reload() is False
+    assert value(d, "canaryd_config_reload_failures_total") == 1
+    assert value(d, "canaryd_config_reloads_total") == 2
+    wait("a pass after the rejected reload", lambda: passes(d, "second", "greet") > before)
+    assert len(d.config.backends) == 2
+
+    # a reload that drops a suite and a backend: their series disappear
+    write(tmp_path, scripted(), ["extra.toml"], port(d))
+    assert d.reload() is True
+    assert value(d, "canaryd_canary_probe_success", backend="fake", canary="add") is None
+    assert value(d, "canaryd_canary_probe_success", backend="second", canary="greet") is None
+    assert value(d, "canaryd_backend_reachable", backend="second") is None
+    after = passes(d, "fake", "greet")
+    wait("a pass of the reloaded config", lambda: passes(d, "fake", "greet") > after)
+    assert value(d, "canaryd_canary_probes_total", backend="fake", canary="add") is None
+
+
+def test_a_backend_that_errors_does_not_stop_another_backends_series(daemon):
+    d = daemon(
+        scripted("good")
+        + scripted("down", body=change(at=1, down=True))
+        + scripted("failing", retries=0, breaker_failures=1000, body=change(at=1, error="http_5xx"))
+    )
+    wait(
+        "two passes of every backend",
+        lambda: all(passes(d, b, "add") >= 2 for b in ("good", "down", "failing")),
+    )
+
+    assert value(d, "canaryd_backend_reachable", backend="good") == 1
+    assert value(d, "canaryd_canary_probe_success", backend="good", canary="add") == 1
+    assert value(d, "canaryd_canary_verdict", backend="good", canary="add", verdict="identical") == 1
+
+    assert value(d, "canaryd_backend_reachable", backend="down") == 0
+    assert value(d, "canaryd_canary_probe_success", backend="down", canary="add") == 0
+    assert (
+        value(d, "canaryd_canary_probe_failures_total", backend="down", canary="add", reason="connect") >= 2
+    )
+
+    assert value(d, "canaryd_backend_reachable", backend="failing") == 1  # reachable, but failing probes
+    assert value(d, "canaryd_canary_probe_success", backend="failing", canary="add") == 0
+    assert (
+        value(d, "canaryd_canary_probe_failures_total", backend="failing", canary="add", reason="http_5xx")
+        >= 2
+    )
+    for b in ("down", "failing"):
+        assert value(d, "canaryd_canary_verdict", backend=b, canary="add", verdict="error") == 1
+        assert d.store.baseline(b, "add") is None
+    # the good backend kept being probed on schedule all along
+    n = passes(d, "good", "add")
+    wait("another pass of the good backend", lambda: passes(d, "good", "add") > n)
