@@ -3,7 +3,7 @@
 
 Edit this script, never the JSON. ``python grafana/build_dashboard.py`` rewrites the JSON;
 ``python grafana/build_dashboard.py --check`` exits 1 if the committed JSON differs from what this script
-generates (CI and ``tests/test_dashboard.py`` run it).
+generates (CI and ``tests/unit/test_dashboard.py`` run it).
 
 The dashboard is built with Grafana's own Python SDK (``grafana-foundation-sdk``, the Grafana 11.6 build,
 pinned exactly because its versions carry epoch prefixes: ``grafana-foundation-sdk==1769699379!11.6.0``).

@@ -21,7 +21,7 @@ from sqlmodel import Session, create_engine
 from canaryd.errors import InputError
 
 MIGRATIONS = Path(__file__).with_name("migrations")
-SCHEMA_REVISION = "0003"  # the head revision (tests/test_migrations.py checks it against the scripts)
+SCHEMA_REVISION = "0003"  # the head revision (tests/unit/test_migrations.py checks it against the scripts)
 TABLES = frozenset(
     {"run", "stack", "payload", "request", "outcome", "event", "observation", "baseline", "keep"}
 )
@@ -106,7 +106,7 @@ def compare_server_default(
     return None
 
 
-# What `alembic revision --autogenerate` and `alembic check` compare (env.py and tests/test_migrations.py).
+# What `alembic revision --autogenerate` and `alembic check` compare (env.py, tests/unit/test_migrations.py).
 AUTOGENERATE_OPTIONS = {
     "include_object": include_object,
     "compare_type": True,

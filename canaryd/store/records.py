@@ -172,5 +172,5 @@ class DetectorDoc(TypedDict):
 
 def detector_start() -> DetectorDoc:
     """A backend's detector before its first cycle (and after a calibration restarts it): as
-    ``DetectorState()``, which tests/test_store.py checks."""
+    ``DetectorState()``, which tests/unit/test_store.py checks."""
     return {"statistic": 1.0, "cycles": 0, "alarm": False, "pending": []}

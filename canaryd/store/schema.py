@@ -115,8 +115,8 @@ class EventRow(SQLModel, table=True):
 class ObservationRow(SQLModel, table=True):
     """One observation as it reads: a view over event ⋈ outcome ⋈ request ⋈ run (never written directly).
 
-    The view's SQL lives in the migrations (``canaryd/store/migrations/versions``); tests/test_migrations.py
-    checks that its columns are these, and tests/test_store.py that `records.StoredObservation` has them.
+    The view's SQL lives in the migrations (``migrations/versions``); tests/unit/test_migrations.py checks
+    that its columns are these, and tests/unit/test_store.py that `records.StoredObservation` has them.
     """
 
     __tablename__ = "observation"
