@@ -120,8 +120,9 @@ def probe_backend(backend: Backend, canaries: Sequence[Canary], store: Store, co
         steps = [replace(j, comparison=next(settled)) for j in per_canary]
         final.extend(shape_of(canary).settle(canary, steps))
     results = []
-    for obs, comparison, baseline_id in ((j.observation, j.comparison, j.baseline_id) for j in final):
-        obs_id = store.add_observation(run_id, obs, comparison, baseline_id)
+    for j in final:
+        obs, comparison = j.observation, j.comparison
+        obs_id = store.add_observation(run_id, obs, comparison, j.baseline_id)
         bound.info(
             "observation",
             canary=obs.canary_id,
