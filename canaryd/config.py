@@ -121,6 +121,15 @@ class DaemonConfig(Strict):
         return host.strip("[]"), int(port)
 
 
+class LimitsConfig(Strict):
+    """Caps on what canaryd accepts from files and exports to Prometheus (the safe defaults suit canaries)."""
+
+    # A Prometheus label value longer than this is cut and marked (the full value stays in the database).
+    label_length: Annotated[int, Field(ge=16, le=4096)] = 128
+    # A canary suite file larger than this is refused before it is read.
+    suite_bytes: Annotated[int, Field(ge=1024, le=1 << 30)] = 16 << 20
+
+
 class Config(Strict):
     path: Path
     state_dir: Path
@@ -129,6 +138,7 @@ class Config(Strict):
     storage: StorageConfig = StorageConfig()
     compare: CompareConfig = CompareConfig()
     daemon: DaemonConfig = DaemonConfig()
+    limits: LimitsConfig = LimitsConfig()
     schedules: tuple[ScheduleConfig, ...] = (ScheduleConfig(),)
 
     @field_validator("suites", mode="before")

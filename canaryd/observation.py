@@ -28,6 +28,8 @@ class ErrorKind(enum.StrEnum):
     TRUNCATED = "truncated"  # the connection closed mid-body
     NO_LOGPROBS = "no_logprobs"
     CIRCUIT_OPEN = "circuit_open"  # not sent: the backend failed repeatedly and is cooling down
+    TOO_LARGE = "too_large"  # the answer passed a cap: body bytes, or more tokens than max_tokens asked
+    CHECK_TIMEOUT = "check_timeout"  # the expected-answer check ran out of time (a backtracking regex)
     INTERNAL = "internal"
 
     @property

@@ -35,7 +35,10 @@ class BackendSettings(Strict):
     name: Annotated[str, Field(pattern=ID_PATTERN)]
     kind: str
     model: str  # the served model name (or what the kind's engine loads)
+    # The whole request (connect, send, every read) must finish within this, however the server drips.
     timeout_s: Annotated[float, Field(gt=0, le=3600)] = 60.0
+    # A response body larger than this is not read further (``too_large``); a canary answer is short.
+    max_response_bytes: Annotated[int, Field(ge=1024, le=1 << 30)] = 8 << 20
     concurrency: Annotated[int, Field(ge=1, le=256)] = 4
     # Transient failures (connect, timeout, 429, 5xx, cut body) are retried this often, with exponential
     # backoff and jitter (Retry-After honoured, capped); after breaker_failures failed probes in a row the
