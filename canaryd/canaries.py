@@ -38,10 +38,12 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import re._parser as sre_parse
 import tomllib
 from pathlib import Path
 from typing import Annotated, Literal, Self
 
+import regex as rx  # the `regex` package: a match time bound that releases the GIL
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -53,10 +55,26 @@ from pydantic import (
 )
 
 from canaryd.errors import InputError, describe_validation_error
+from canaryd.files import read_regular
 
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$"
 _NUMBER = re.compile(r"[-+]?\d+(?:[.,]\d+)?(?:[eE][-+]?\d+)?")
 STEP_REF = re.compile(r"\{\{\s*(.*?)\s*\}\}")  # {{ step_id }} in a chained canary's step
+# A regex check that takes longer is cut off (`CheckTimeout`). The ``regex`` package releases the GIL while
+# it matches, so even a pattern that backtracks catastrophically never stalls the rest of the process.
+CHECK_TIMEOUT_S = 1.0
+SUITE_BYTES = 16 << 20  # the default of ``[limits] suite_bytes``
+
+
+class CheckTimeout(Exception):
+    """An expected-answer check ran out of time (a regex that backtracks catastrophically on the answer)."""
+
+    def __init__(self, pattern: str, length: int, timeout_s: float) -> None:
+        super().__init__(
+            f"regex {pattern!r} took more than {timeout_s:g}s on a {length}-character answer "
+            "(it backtracks catastrophically: see `canaryd validate`)"
+        )
+        self.pattern = pattern
 
 
 class _Strict(BaseModel):
@@ -115,17 +133,23 @@ class Expect(_Strict):
             raise ValueError(f"give exactly one of exact, regex, choices, number (got {given or 'none'})")
         if self.regex is not None:
             try:
-                re.compile(self.regex)
-            except re.error as e:
+                rx.compile(self.regex)
+            except rx.error as e:
                 raise ValueError(f"invalid regex: {e}") from None
         if self.choices is not None and not self.choices:
             raise ValueError("choices must not be empty")
-        if self.answer is not None and not self.check(self.answer):
-            raise ValueError(f"the reference answer {self.answer!r} does not pass the check")
+        try:
+            if self.answer is not None and not self.check(self.answer):
+                raise ValueError(f"the reference answer {self.answer!r} does not pass the check")
+        except CheckTimeout as e:
+            raise ValueError(f"checking the reference answer: {e}") from None
         return self
 
-    def check(self, text: str) -> bool:
-        """True when ``text`` is the known answer. Surrounding whitespace never matters."""
+    def check(self, text: str, timeout_s: float = CHECK_TIMEOUT_S) -> bool:
+        """True when ``text`` is the known answer. Surrounding whitespace never matters.
+
+        A regex gets at most ``timeout_s`` (`CheckTimeout` after that).
+        """
         answer = text.strip()
         if self.number is not None:
             found = _NUMBER.search(answer)
@@ -133,11 +157,152 @@ class Expect(_Strict):
                 self.tolerance
             )
         if self.regex is not None:
-            flags = 0 if self.case_sensitive else re.IGNORECASE
-            return re.search(self.regex, answer, flags) is not None
+            flags = 0 if self.case_sensitive else rx.IGNORECASE
+            try:
+                return rx.search(self.regex, answer, flags, timeout=timeout_s) is not None
+            except TimeoutError:
+                raise CheckTimeout(self.regex, len(answer), timeout_s) from None
         fold = (lambda s: s) if self.case_sensitive else str.casefold
         wanted = (self.exact,) if self.exact is not None else self.choices
         return fold(answer) in {fold(w.strip()) for w in wanted or ()}
+
+
+# -- patterns that backtrack catastrophically (`canaryd validate` warns; the check's time bound contains them)
+
+_C = sre_parse  # the opcodes of Python's own regex parser (``re._parser``), used only by this heuristic
+_REPEATS = (_C.MAX_REPEAT, _C.MIN_REPEAT)
+_ONE_CHAR = (_C.LITERAL, _C.NOT_LITERAL, _C.ANY, _C.IN)
+_SAMPLE = [chr(i) for i in range(32, 127)] + ["\t", "\n", "\u00a0", "é", "ß", "Ж", "中"]
+_CATEGORIES = {
+    _C.CATEGORY_DIGIT: str.isdigit,
+    _C.CATEGORY_NOT_DIGIT: lambda c: not c.isdigit(),
+    _C.CATEGORY_SPACE: str.isspace,
+    _C.CATEGORY_NOT_SPACE: lambda c: not c.isspace(),
+    _C.CATEGORY_WORD: lambda c: c.isalnum() or c == "_",
+    _C.CATEGORY_NOT_WORD: lambda c: not (c.isalnum() or c == "_"),
+}
+
+
+def backtracking_risk(pattern: str) -> str | None:
+    """Why ``pattern`` may backtrack catastrophically, or None: a simple heuristic, not a proof.
+
+    Inside a group repeated more than once (``*``, ``+``, ``{n,}``, ``{n}`` with n > 1) it looks for
+
+    * a **nested quantifier**: a variable-length repeat (``+``, ``*``, ``{m,n}``) whose characters can also
+      match every other required item of the group, so one stretch of text splits into iterations in
+      exponentially many ways: ``(a+)+``, ``(a*)*``, ``(\\w+\\s?)*``, ``(.*a){20}`` (but not ``(\\.\\d+)*``,
+      where the ``.`` separates the iterations);
+    * an **ambiguous alternation**: two alternatives that can start with the same character, or one
+      that is a prefix of another: ``(a|a)*``, ``(a|aa)+``, ``(ab|a|b)*``.
+
+    Possessive repeats and atomic groups never backtrack and are not flagged. Characters are compared
+    ignoring case and on a sample (ASCII and a few others). A pattern Python's ``re`` cannot parse (syntax
+    only the ``regex`` package has) is not examined.
+    """
+    try:
+        return _risk(sre_parse.parse(pattern), repeated=False)
+    except (re.error, RecursionError, ValueError, TypeError):
+        return None
+
+
+def _risk(seq, repeated: bool) -> str | None:
+    for op, av in seq:
+        if op in _REPEATS:
+            _, hi, body = av
+            again = hi > 1
+            if again and _nested(body):
+                return "nested quantifier"
+            found = _risk(body, repeated or again)
+        elif op is _C.SUBPATTERN:
+            found = _risk(av[-1], repeated)
+        elif op is _C.BRANCH:
+            alternatives = av[1]
+            if repeated and _ambiguous(alternatives):
+                return "ambiguous alternation"
+            found = next((r for alt in alternatives if (r := _risk(alt, repeated))), None)
+        elif op in (_C.ASSERT, _C.ASSERT_NOT):
+            found = _risk(av[1], repeated)
+        elif op is _C.GROUPREF_EXISTS:
+            found = next((r for alt in av[1:] if alt is not None and (r := _risk(alt, repeated))), None)
+        else:  # single characters, anchors, back references, possessive repeats, atomic groups
+            found = None
+        if found:
+            return found
+    return None
+
+
+def _flat(seq) -> list:
+    """A sequence with its groups opened (``(a(b+))`` → ``a``, ``b+``)."""
+    out = []
+    for op, av in seq:
+        out += _flat(av[-1]) if op is _C.SUBPATTERN else [(op, av)]
+    return out
+
+
+def _nested(body) -> bool:
+    """A repeated group's body has a variable-length repeat that can also match all its required items."""
+    items = _flat(body)
+    variable = [av for op, av in items if op in _REPEATS and av[1] > 1 and av[0] != av[1]]
+    if not variable:
+        return False
+    heads = [_first(v[2]) for v in variable]
+    required = [(op, av) for op, av in items if op not in _REPEATS or av[0] >= 1]
+    required = [item for item in required if item[0] not in _REPEATS and item[0] is not _C.AT]
+    return all(any(_overlap(item, h) for h in heads) for item in required)
+
+
+def _ambiguous(alternatives) -> bool:
+    """Alternatives that can start alike (an empty one: Python's parser moved a common prefix out)."""
+    if any(not alt for alt in alternatives):
+        return True
+    heads = [_first(alt) for alt in alternatives]
+    return any(_overlap(a, b) for i, a in enumerate(heads) for b in heads[i + 1 :])
+
+
+def _first(seq) -> tuple | None:
+    """The single-character item a sequence starts with (None: unknown)."""
+    for op, av in seq:
+        if op is _C.AT:
+            continue
+        if op in _ONE_CHAR:
+            return (op, av)
+        if op is _C.SUBPATTERN:
+            return _first(av[-1])
+        if op in _REPEATS and av[0] >= 1:
+            return _first(av[2])
+        return None
+    return None
+
+
+def _overlap(a: tuple | None, b: tuple | None) -> bool:
+    """Whether two single-character items can match one character (unknown: yes)."""
+    if a is None or b is None or a[0] not in _ONE_CHAR or b[0] not in _ONE_CHAR:
+        return True
+    return any(_matches(a, c) and _matches(b, c) for c in _SAMPLE)
+
+
+def _matches(item: tuple, c: str) -> bool:
+    op, av = item
+    c = c.lower()
+    if op is _C.LITERAL:
+        return chr(av).lower() == c
+    if op is _C.NOT_LITERAL:
+        return chr(av).lower() != c
+    if op is _C.ANY:
+        return True
+    negate, hit = False, False
+    for kind, value in av:
+        if kind is _C.NEGATE:
+            negate = True
+        elif kind is _C.LITERAL:
+            hit = hit or chr(value).lower() == c
+        elif kind is _C.RANGE:
+            hit = hit or any(value[0] <= ord(x) <= value[1] for x in (c, c.upper()))
+        elif kind is _C.CATEGORY:
+            hit = hit or _CATEGORIES.get(value, lambda _c: True)(c)
+        else:
+            return True
+    return hit != negate
 
 
 def _check_one_prompt(messages: tuple[Message, ...] | None, prompt: str | None) -> None:
@@ -249,10 +414,15 @@ class _SuiteFile(_Strict):
     canary: Annotated[list[dict], Field(min_length=1)]
 
 
-def load_suite(path: Path) -> Suite:
-    """Parse and validate one canary file; any problem raises `InputError` naming file and field."""
+def load_suite(path: Path, max_bytes: int = SUITE_BYTES) -> Suite:
+    """Parse and validate one canary file; any problem raises `InputError` naming file and field.
+
+    The file must be a regular file of at most ``max_bytes`` (``[limits] suite_bytes``), checked before it
+    is read (`canaryd.files.read_regular`).
+    """
     try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        text = read_regular(path, "canary file", limit=max_bytes, limit_key="[limits] suite_bytes")
+        raw = tomllib.loads(text)
     except OSError as e:
         raise InputError(f"{path}: cannot read canary file: {e.strerror or e}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
@@ -280,9 +450,9 @@ def load_suite(path: Path) -> Suite:
     return Suite(name=head.suite.name, path=path, canaries=tuple(canaries))
 
 
-def load_suites(paths: list[Path]) -> list[Suite]:
+def load_suites(paths: list[Path], max_bytes: int = SUITE_BYTES) -> list[Suite]:
     """Load several suites; canary ids must be unique across all of them (they key the history)."""
-    suites = [load_suite(p) for p in paths]
+    suites = [load_suite(p, max_bytes) for p in paths]
     owner: dict[str, Path] = {}
     for s in suites:
         for c in s.canaries:
@@ -290,3 +460,18 @@ def load_suites(paths: list[Path]) -> list[Suite]:
                 raise InputError(f"{s.path}: canary id {c.id!r} already defined in {owner[c.id]}")
             owner[c.id] = s.path
     return suites
+
+
+def risky_patterns(suites: list[Suite]) -> list[str]:
+    """One line per regex that `backtracking_risk` flags, naming file, canary and pattern."""
+    lines = []
+    for suite in suites:
+        for c in suite.canaries:
+            pattern = c.expect.regex if c.expect else None
+            why = backtracking_risk(pattern) if pattern is not None else None
+            if why:
+                lines.append(
+                    f"{suite.path}: canary {c.id!r}: regex {pattern!r} may backtrack catastrophically "
+                    f"({why}); its check is cut off after {CHECK_TIMEOUT_S:g}s (verdict error, check_timeout)"
+                )
+    return lines

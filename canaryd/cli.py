@@ -4,7 +4,8 @@ Exit codes (also in ``canaryd --help`` and the README):
 
 0  every canary identical to its baseline (or a new baseline was recorded)
 1  drift: a regression, answer drift, logprob drift or stack change
-2  bad config, canary file or command-line usage
+2  bad config, canary file or command-line usage (also: the metrics address in use, a state directory or
+   storage URL that cannot be used: problems a restart would not fix)
 3  a backend was unreachable or failing, so it could not be judged
 4  internal or storage error (a bug or a broken database: see the log)
 
@@ -30,10 +31,11 @@ from rich.console import Console
 from sqlalchemy.exc import SQLAlchemyError
 
 from canaryd import log as logsetup
-from canaryd.canaries import load_suites
+from canaryd.canaries import load_suites, risky_patterns
 from canaryd.config import Config, find_config, load_config
 from canaryd.errors import EXIT_DRIFT, EXIT_INTERNAL, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, InputError
 from canaryd.fields import parse_duration, since_time
+from canaryd.files import private_umask, write_private
 from canaryd.report.pin import load_pin
 
 if TYPE_CHECKING:
@@ -86,9 +88,9 @@ def _config(ctx: typer.Context) -> Config:
 
 @contextmanager
 def _store(cfg: Config) -> Iterator[Store]:
-    from canaryd.store import Store
+    from canaryd.store import open_store
 
-    store = Store(cfg.storage_url, instance=cfg.daemon.instance)
+    store = open_store(cfg)
     try:
         yield store
     finally:
@@ -158,7 +160,7 @@ def census_cmd(
         _config(ctx), backend=backend, canary_ids=canary, requests=requests, sizes=sizes, strict=strict
     )
     if output is not None:
-        output.write_text(json.dumps(report.as_dict(), indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        write_private(output, json.dumps(report.as_dict(), indent=2, ensure_ascii=False) + "\n")
     show_census(report, as_json, out)
     raise typer.Exit(report.exit_code)
 
@@ -228,7 +230,7 @@ def _write(text: str, path: Path | None) -> None:
     if path is None:
         sys.stdout.write(text)
     else:
-        path.write_text(text, encoding="utf-8")
+        write_private(path, text)
 
 
 @app.command("record")
@@ -293,20 +295,31 @@ def export(
 @app.command()
 def run(ctx: typer.Context) -> None:
     """Run the daemon: probe on the configured schedules and serve Prometheus metrics."""
+    from canaryd.daemon import signals
+
+    # First of all (again, if `python -m canaryd run` already did): a SIGTERM during start-up (the store's
+    # migration, suites, backends) is remembered and stops the daemon cleanly, right after start-up.
+    stop, _ = signals.install()
     from canaryd.daemon.service import Daemon
 
     path = find_config(ctx.obj.config_path)
     if ctx.obj.log_level is None:
         logsetup.configure("info")  # a daemon logs its observations unless told otherwise
-    Daemon(path, load_config(path)).serve_forever()
+    config = load_config(path)
+    if stop.is_set():
+        structlog.get_logger("canaryd.daemon").info("stopped_before_start")
+        return
+    Daemon(path, config).serve_forever()
 
 
 @app.command()
 def validate(ctx: typer.Context) -> None:
     """Check the config and every canary file without probing anything."""
     cfg = _config(ctx)
-    suites = load_suites([s.path for s in cfg.suites])
+    suites = load_suites([s.path for s in cfg.suites], cfg.limits.suite_bytes)
     n = sum(len(s.canaries) for s in suites)
+    for line in risky_patterns(suites):  # a warning, not an error: the check's time bound contains them
+        print(f"canaryd: warning: {line}", file=sys.stderr)
     print(f"{cfg.path}: ok: {len(cfg.backends)} backend(s), {len(suites)} suite(s), {n} canaries")
 
 
@@ -434,9 +447,12 @@ app.add_typer(db_app, name="db")
 def db_upgrade(ctx: typer.Context) -> None:
     """Migrate the database to this canaryd's schema (every command and the daemon also do it at start)."""
     from canaryd.report.console import show_migration
+    from canaryd.store import naming_storage
     from canaryd.store.engine import upgrade
 
-    show_migration(*upgrade(_config(ctx).storage_url))
+    cfg = _config(ctx)
+    with naming_storage(cfg):
+        show_migration(*upgrade(cfg.storage_url))
 
 
 @db_app.command("current")
@@ -446,9 +462,12 @@ def db_current(
 ) -> None:
     """Print the database's schema revision (changes nothing)."""
     from canaryd.report.console import show_revision
+    from canaryd.store import naming_storage
     from canaryd.store.engine import SCHEMA_REVISION, known_revisions, revision
 
-    rev = revision(_config(ctx).storage_url)
+    cfg = _config(ctx)
+    with naming_storage(cfg):
+        rev = revision(cfg.storage_url)
     show_revision(rev, SCHEMA_REVISION, known_revisions())
     if check and rev != SCHEMA_REVISION:
         raise typer.Exit(EXIT_DRIFT)
@@ -479,6 +498,7 @@ def demo(
 
 
 def main() -> None:
+    private_umask()  # what canaryd creates (history, WAL, exports, pins, records) is its owner's alone
     log = structlog.get_logger("canaryd")
     try:
         app()  # usage errors exit 2 and typer.Exit(code) exits with code, as SystemExit

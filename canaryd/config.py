@@ -18,9 +18,12 @@ from canaryd.backends import KINDS, BackendSettings, settings_types
 from canaryd.canaries import ID_PATTERN
 from canaryd.errors import InputError, describe_validation_error
 from canaryd.fields import Duration, Strict, parse_duration
+from canaryd.files import read_regular
 
 __all__ = ["Config", "find_config", "load_config", "parse_duration"]
 
+
+CONFIG_BYTES = 16 << 20  # a config file larger than this is refused unread
 
 # A ``[[backends]]`` entry validates against the registered kind's own config block, chosen by ``kind``.
 AnyBackend = Annotated[Union[settings_types()], Field(discriminator="kind")]  # noqa: UP007
@@ -196,7 +199,7 @@ def find_config(explicit: Path | None) -> Path:
 def load_config(path: Path) -> Config:
     """Parse and validate a config file; errors raise `InputError` naming the file and the field."""
     try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        raw = tomllib.loads(read_regular(path, "config file", limit=CONFIG_BYTES))
     except FileNotFoundError:
         raise InputError(f"{path}: config file not found (create one with `canaryd init`)") from None
     except OSError as e:

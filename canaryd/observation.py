@@ -6,6 +6,8 @@ Everything here is plain data. Backends build it, `canaryd.store` persists it, `
 from __future__ import annotations
 
 import enum
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -30,6 +32,7 @@ class ErrorKind(enum.StrEnum):
     CIRCUIT_OPEN = "circuit_open"  # not sent: the backend failed repeatedly and is cooling down
     TOO_LARGE = "too_large"  # the answer passed a cap: body bytes, or more tokens than max_tokens asked
     CHECK_TIMEOUT = "check_timeout"  # the expected-answer check ran out of time (a backtracking regex)
+    STOPPED = "stopped"  # not sent: canaryd was stopping (SIGTERM) when its turn came
     INTERNAL = "internal"
 
     @property
@@ -82,3 +85,60 @@ class Observation:
     @property
     def ok(self) -> bool:
         return self.error is None
+
+
+# A logprob is at most 0 (float rounding may leave one a hair above). vLLM clamps -inf at -9999, so a value
+# far below that is no logprob an engine computed: it is garbage, and would swamp every delta.
+LOGPROB_MAX = 1e-4
+LOGPROB_MIN = -1e5
+
+
+def _show(value: float | int) -> str:
+    try:
+        return f"{float(value):.6g}"
+    except OverflowError:  # a JSON integer too large for a float
+        return "-huge" if value < 0 else "huge"
+
+
+def logprob_problem(value: object) -> str | None:
+    """Why ``value`` is no usable logprob (None when it is one): not a number, NaN, ±inf, above 0 beyond
+    rounding, or absurdly negative. Parsers reject such an answer, and the judge refuses such a baseline."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return f"has type {type(value).__name__}"
+    if isinstance(value, float) and math.isnan(value):
+        return "nan"
+    if isinstance(value, float) and math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    if value > LOGPROB_MAX:
+        return f"{_show(value)} > 0"
+    if value < LOGPROB_MIN:
+        return f"{_show(value)} < {LOGPROB_MIN:g}"
+    return None
+
+
+def tokens_problem(tokens: Iterable[TokenLogprob]) -> str | None:
+    """The first token (or top-k alternative) whose logprob is unusable, as ``tokens.i.logprob: why``."""
+    for i, t in enumerate(tokens):
+        if (why := logprob_problem(t.logprob)) is not None:
+            return f"tokens.{i}.logprob: {why}"
+        for j, (_, lp) in enumerate(t.top):
+            if (why := logprob_problem(lp)) is not None:
+                return f"tokens.{i}.top.{j}.logprob: {why}"
+    return None
+
+
+def text_problem(value: str) -> str | None:
+    """Why ``value`` cannot be stored or exported as text (None when it can): a lone surrogate (JSON's
+    ``"\\ud800"`` escape decodes to one) has no UTF-8 encoding."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"not valid UTF-8 (lone surrogate at index {e.start})"
+    return None
+
+
+def storable(value: str) -> str:
+    """``value`` with anything UTF-8 cannot encode written as a backslash escape (``\\ud800``)."""
+    if text_problem(value) is None:
+        return value
+    return value.encode("utf-8", "backslashreplace").decode("utf-8")

@@ -1,7 +1,12 @@
-"""`canaryd init`: a commented example config and a copy of the shipped default suite."""
+"""`canaryd init`: a commented example config and a copy of the shipped default suite.
+
+They hold no secrets (API keys never go in the config) and the service's own user must read them, so unlike
+what else canaryd writes (private: `canaryd.files`) they are created 0644, in directories created 0755.
+"""
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -74,8 +79,19 @@ def write_example(path: Path, *, force: bool = False) -> list[Path]:
     for target in (path, suite):
         if target.exists() and not force:
             raise InputError(f"{target}: already exists (use --force to overwrite)")
-    path.parent.mkdir(parents=True, exist_ok=True)
+    new = [t for t in (path, suite) if not t.exists()]
+    _mkdir(path.parent)
     path.write_text(example(), encoding="utf-8")
-    suite.parent.mkdir(parents=True, exist_ok=True)
+    _mkdir(suite.parent)
     shutil.copyfile(shipped_canaries() / "default.toml", suite)
+    for written in new:  # readable by the service whatever the umask (canaryd's own is 0077)
+        os.chmod(written, 0o644)
     return [path, suite]
+
+
+def _mkdir(directory: Path) -> None:
+    """Create ``directory`` (and its parents) 0755; an existing one is left as it is."""
+    missing = [d for d in (directory, *directory.parents) if not d.exists()]
+    directory.mkdir(parents=True, exist_ok=True)
+    for d in missing:
+        os.chmod(d, 0o755)

@@ -13,6 +13,7 @@ was added exactly that way.
 from __future__ import annotations
 
 import importlib
+import threading
 from functools import cache
 from types import ModuleType
 
@@ -57,11 +58,12 @@ def settings_types() -> tuple[type[BackendSettings], ...]:
     return tuple(_module(k).Settings for k in KINDS)
 
 
-def make_backend(settings: BackendSettings) -> Backend:
-    """The kind's prober, wrapped in the shared retries and circuit breaker."""
+def make_backend(settings: BackendSettings, stopping: threading.Event | None = None) -> Backend:
+    """The kind's prober, wrapped in the shared retries and circuit breaker; once ``stopping`` is set (the
+    daemon's stop) no new attempt starts and a backoff wait ends."""
     from canaryd.backends.resilience import Resilient
 
-    return Resilient(_module(settings.kind).Prober(settings), settings)
+    return Resilient(_module(settings.kind).Prober(settings), settings, stopping)
 
 
 def examples() -> list[str]:

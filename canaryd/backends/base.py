@@ -13,12 +13,17 @@ import re
 from pathlib import Path
 from typing import Annotated, Protocol
 
+import structlog
 from pydantic import Field, field_validator, model_validator
 
 from canaryd.canaries import ID_PATTERN, Canary
 from canaryd.errors import InputError
 from canaryd.fields import ENV_NAME, Duration, Strict
+from canaryd.files import exposed, read_regular
 from canaryd.observation import ErrorKind, Observation
+
+log = structlog.get_logger("canaryd.backends")
+KEY_FILE_BYTES = 64 << 10  # an API key file is small; a larger one (or a device, a FIFO) is refused
 
 
 class BackendUnavailable(Exception):
@@ -82,12 +87,16 @@ class HttpSettings(BackendSettings):
             path = self.api_key_file
             if not path.is_absolute() and os.environ.get("CREDENTIALS_DIRECTORY"):
                 path = Path(os.environ["CREDENTIALS_DIRECTORY"]) / path
+            problem = exposed(path)
+            if problem is not None:  # still used: a warning, so that a working setup keeps working
+                log.warning("api_key_file_exposed", backend=self.name, path=str(path), problem=problem)
             try:
-                return path.read_text(encoding="utf-8").strip()
-            except OSError as e:
-                raise InputError(
-                    f"backend {self.name!r}: cannot read api_key_file {path}: {e.strerror}"
-                ) from None
+                return read_regular(path, "api_key_file", limit=KEY_FILE_BYTES).strip()
+            except (OSError, UnicodeDecodeError) as e:
+                why = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
+                raise InputError(f"backend {self.name!r}: cannot read api_key_file {path}: {why}") from None
+            except InputError as e:
+                raise InputError(f"backend {self.name!r}: {e}") from None
         return None
 
 

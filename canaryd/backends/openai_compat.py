@@ -1,25 +1,32 @@
 """Kind ``openai``: any OpenAI-compatible API (OpenAI, OpenRouter, Together, SGLang, llama.cpp server …).
 
-Requests go through the official ``openai`` client with ``max_retries=0`` and explicit timeouts: a
-canary must see every failure, not have the SDK retry it away (the shared `Resilient` wrapper retries,
-visibly). The body is read raw and parsed by `openai_wire`, so a malformed one is a named error.
+Requests go out through `transport.exchange` (plain `httpx2`), not the official ``openai`` SDK: ``timeout_s``
+is a deadline for the whole request (connect, send, every read, however slowly the server drips) and the
+body is read under ``max_response_bytes``, neither of which the SDK can enforce (its timeouts bound each
+read; a server sending a byte a second held a ``check`` with ``timeout_s = 5`` for 130 s), and the SDK adds
+its own per-request cost (request building, validation, headers) for nothing canaryd uses. Nothing is
+retried here: the shared `Resilient` wrapper retries, visibly. The body sent is the JSON the SDK sent, key
+for key and byte for byte (`wire_body`); the body received is parsed by `openai_wire`, so a malformed one is
+a named error.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as dist_version
+from typing import Any, Literal
+
+import httpx2
 
 from canaryd.backends import openai_wire as wire
+from canaryd.backends import transport
 from canaryd.backends.base import BackendUnavailable, HttpSettings
 from canaryd.canaries import Canary
-from canaryd.observation import ErrorKind, Observation, utcnow
-
-if TYPE_CHECKING:
-    import httpx2
-    import openai
+from canaryd.observation import ErrorKind, Observation, storable, utcnow
 
 EXAMPLE = """\
 # Any OpenAI-compatible API: OpenAI, OpenRouter, Together, SGLang, llama.cpp server ...
@@ -38,35 +45,37 @@ class Settings(HttpSettings):
     kind: Literal["openai"] = "openai"
 
 
+def _user_agent() -> str:
+    try:
+        return f"canaryd/{dist_version('canaryd')}"
+    except PackageNotFoundError:
+        return "canaryd"
+
+
 class Prober:
     """The serving side is known only by what responses say about themselves."""
 
     kind = "openai"
+    # Set by the `Resilient` wrapper: once set, introspection calls are no longer made (the daemon stops).
+    stopping: threading.Event | None = None
 
     def __init__(self, cfg: HttpSettings) -> None:
-        import httpx2
-        import openai
-
         self.cfg = cfg
         self.name = cfg.name
         self.concurrency = cfg.concurrency
         self._key = cfg.api_key()
-        timeout = httpx2.Timeout(cfg.timeout_s, connect=cfg.connect_timeout_s)
-        self.http = httpx2.Client(
-            timeout=timeout,
-            limits=httpx2.Limits(max_connections=cfg.concurrency + 2),
-            headers={"Authorization": f"Bearer {self._key}"} if self._key else {},
-        )
-        self.client = openai.OpenAI(
-            base_url=cfg.base_url,
-            api_key=self._key or "unused",  # the SDK insists on a value; keyless servers ignore it
-            max_retries=0,
-            timeout=timeout,
-            http_client=self.http,
+        headers = {"Accept": "application/json", "User-Agent": _user_agent()}
+        if self._key:
+            headers["Authorization"] = f"Bearer {self._key}"
+        self.http = transport.client(
+            timeout_s=cfg.timeout_s,
+            connect_timeout_s=cfg.connect_timeout_s,
+            connections=cfg.concurrency + 2,
+            headers=headers,
         )
 
     def close(self) -> None:
-        self.client.close()
+        self.http.close()
 
     # -- the stack ----------------------------------------------------------------------------------
     def snapshot(self) -> dict[str, str]:
@@ -92,54 +101,72 @@ class Prober:
         return wire.request_hash(self.request(canary))
 
     def attempt(self, canary: Canary) -> Observation:
-        import openai
-
         body = self.request(canary)
         obs = Observation(self.name, canary.id, canary.suite, utcnow(), body, wire.request_hash(body))
-        kwargs = {k: v for k, v in body.items() if k in wire.SDK_PARAMS}
-        extra = {k: v for k, v in body.items() if k not in wire.SDK_PARAMS}
-        endpoint = self.client.chat.completions if canary.messages is not None else self.client.completions
-        parse: Callable = wire.parse_chat if canary.messages is not None else wire.parse_completion
+        chat = canary.messages is not None
+        url = f"{self.cfg.base_url}/{'chat/completions' if chat else 'completions'}"
+        parse: Callable = wire.parse_chat if chat else wire.parse_completion
         t0 = time.perf_counter()
         try:
-            raw = endpoint.with_raw_response.create(**kwargs, extra_body=extra or None)
+            reply = self.exchange("POST", url, content=wire_body(body), headers=JSON)
             obs.latency_s = time.perf_counter() - t0
-            obs.headers = {k: v for k, v in raw.headers.items() if wire.keep_header(k.lower())}
-            try:
-                payload = json.loads(raw.text)
-            except ValueError as e:
-                raise wire.InvalidResponse(f"body is not JSON ({e})") from None
-            r = parse(payload)
+            obs.headers = wire.kept_headers(reply.headers.items())
+            if not 200 <= reply.status < 300:
+                obs.error_kind = status_kind(reply.status)
+                obs.error = storable(self.redact(f"HTTP {reply.status}: {_message(reply)[:300]}"))
+                return obs
+            r = parse(wire.parse_json(reply.body))
             obs.text, obs.system_fingerprint, obs.response_model = r.text, r.system_fingerprint, r.model
             obs.finish_reason, obs.prompt_tokens, obs.completion_tokens = (
                 r.finish_reason,
                 r.prompt_tokens,
                 r.completion_tokens,
             )
-            obs.stack = self.response_stack(r, raw.headers)
+            obs.stack = self.response_stack(r, reply.headers)
             if r.tokens is None:
                 obs.error_kind, obs.error = ErrorKind.NO_LOGPROBS, "response carries no logprobs"
             else:
                 obs.tokens = r.tokens
-        except wire.InvalidResponse as e:
+        except (wire.InvalidResponse, transport.BadEncoding) as e:
             obs.error_kind, obs.error = ErrorKind.INVALID_RESPONSE, str(e)
-        except openai.APIError as e:
-            obs.error_kind, obs.error = classify(e), self.redact(_describe(e))
-            if isinstance(e, openai.APIStatusError):
-                obs.headers = {k: v for k, v in e.response.headers.items() if wire.keep_header(k.lower())}
-        obs.latency_s = obs.latency_s or time.perf_counter() - t0
+        except transport.DeadlinePassed as e:
+            obs.error_kind, obs.error = ErrorKind.TIMEOUT, str(e)
+        except transport.TooLarge as e:
+            obs.error_kind, obs.error = ErrorKind.TOO_LARGE, str(e)
+        except httpx2.TransportError as e:
+            obs.error_kind, obs.error = transport_kind(e), storable(self.redact(_describe(e)))
+        finally:
+            obs.latency_s = obs.latency_s or time.perf_counter() - t0
         return obs
+
+    def exchange(self, method: str, url: str, **kwargs: Any) -> transport.Reply:
+        """One request within ``timeout_s`` and ``max_response_bytes`` (see `transport.exchange`)."""
+        return transport.exchange(
+            self.http,
+            method,
+            url,
+            timeout_s=self.cfg.timeout_s,
+            max_bytes=self.cfg.max_response_bytes,
+            **kwargs,
+        )
 
     def redact(self, message: str) -> str:
         """Belt and braces: a server that echoes our key back must not get it into the store."""
         return message.replace(self._key, "<redacted>") if self._key else message
 
     def call(self, method: str, url: str, **kwargs: Any) -> httpx2.Response:
-        """A raw call to an introspection endpoint; connection failures mean the backend is down."""
-        import httpx2
-
+        """A raw call to an introspection endpoint, under the same deadline and cap as a probe; a failure
+        to get an answer means the backend is unavailable, an HTTP error status raises `HTTPStatusError`."""
+        if self.stopping is not None and self.stopping.is_set():
+            raise BackendUnavailable(ErrorKind.STOPPED, f"{url}: not called, canaryd is stopping")
         try:
-            r = self.http.request(method, url, **kwargs)
+            reply = self.exchange(method, url, **kwargs)
+        except transport.DeadlinePassed as e:
+            raise BackendUnavailable(ErrorKind.TIMEOUT, f"{url}: {e}") from None
+        except transport.TooLarge as e:
+            raise BackendUnavailable(ErrorKind.TOO_LARGE, f"{url}: {e}") from None
+        except transport.BadEncoding as e:
+            raise BackendUnavailable(ErrorKind.INVALID_RESPONSE, f"{url}: {e}") from None
         except httpx2.TimeoutException as e:
             raise BackendUnavailable(
                 ErrorKind.TIMEOUT, f"{url}: timed out ({e.__class__.__name__})"
@@ -148,31 +175,58 @@ class Prober:
             raise BackendUnavailable(
                 ErrorKind.CONNECT, f"{url}: {self.redact(str(e)) or e.__class__.__name__}"
             ) from None
+        skip = ("content-encoding", "content-length", "transfer-encoding")  # the body is inflated and whole
+        headers = [(k, v) for k, v in reply.headers.multi_items() if k.lower() not in skip]
+        r = httpx2.Response(reply.status, headers=headers, content=reply.body, request=reply.request)
         r.raise_for_status()
         return r
 
 
-def classify(e: openai.APIError) -> ErrorKind:
-    import httpx2
-    import openai
+JSON = {"Content-Type": "application/json"}
 
-    if isinstance(e, openai.APITimeoutError):
-        return ErrorKind.TIMEOUT
-    if isinstance(e, openai.APIConnectionError):
-        cut = isinstance(e.__cause__, httpx2.RemoteProtocolError | httpx2.ReadError)
-        return ErrorKind.TRUNCATED if cut else ErrorKind.CONNECT
-    if isinstance(e, openai.RateLimitError):
+
+def wire_body(body: dict) -> bytes:
+    """The request body as the ``openai`` SDK serialised it (so requests did not change when canaryd
+    stopped using it): the model and the messages or prompt first, then the SDK's own parameters in
+    alphabetical order, then the rest (``extra_body``) in the order given; compact UTF-8 JSON."""
+    first = [k for k in ("model", "messages", "prompt") if k in body]
+    sdk = sorted(k for k in body if k in wire.SDK_PARAMS and k not in first)
+    extra = [k for k in body if k not in wire.SDK_PARAMS]
+    ordered = {k: body[k] for k in (*first, *sdk, *extra)}
+    return json.dumps(ordered, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+
+def status_kind(status: int) -> ErrorKind:
+    if status == 429:
         return ErrorKind.RATE_LIMITED
-    if isinstance(e, openai.AuthenticationError | openai.PermissionDeniedError):
+    if status in (401, 403):
         return ErrorKind.AUTH
-    if isinstance(e, openai.APIStatusError):
-        return ErrorKind.HTTP_5XX if e.status_code >= 500 else ErrorKind.HTTP_4XX
-    return ErrorKind.INVALID_RESPONSE  # e.g. APIResponseValidationError
+    return ErrorKind.HTTP_5XX if status >= 500 else ErrorKind.HTTP_4XX
 
 
-def _describe(e: openai.APIError) -> str:
-    import openai
+def transport_kind(e: httpx2.TransportError) -> ErrorKind:
+    """A failure to get a whole answer: a timeout, a connection cut mid-answer, or no connection at all."""
+    if isinstance(e, httpx2.TimeoutException):
+        return ErrorKind.TIMEOUT
+    if isinstance(e, httpx2.RemoteProtocolError | httpx2.ReadError):
+        return ErrorKind.TRUNCATED
+    return ErrorKind.CONNECT
 
-    if isinstance(e, openai.APIStatusError):
-        return f"HTTP {e.status_code}: {str(e.message)[:300]}"
-    return f"{e.__class__.__name__}: {str(e)[:300]}"
+
+def _message(reply: transport.Reply) -> str:
+    """What an error response says: its ``error.message`` (or ``error``, ``message``), else its text."""
+    text = reply.text.strip()
+    try:
+        doc = wire.parse_json(text)
+    except wire.InvalidResponse:
+        return text or "(empty body)"
+    if isinstance(doc, dict):
+        err = doc.get("error", doc)
+        msg = err.get("message") if isinstance(err, dict) else err
+        if isinstance(msg, str) and msg:
+            return msg
+    return text
+
+
+def _describe(e: Exception) -> str:
+    return f"{e.__class__.__name__}: {str(e)[:300] or 'no detail'}"

@@ -1,39 +1,66 @@
 """The OpenAI wire format, shared by every kind that speaks it: the request body a canary becomes, the
 hash baselines are keyed by, and typed parsers for chat and legacy completion bodies.
 
-Parsing reads the raw JSON ourselves, so a malformed body becomes a named error (`InvalidResponse`, with
-the field) instead of a half-filled object.
+Parsing reads the raw JSON ourselves (`parse_json`), so a malformed body becomes a named error
+(`InvalidResponse`, with the field) instead of a half-filled object: a field of the wrong type, a string
+with a lone surrogate (no UTF-8 form: it could be neither stored nor exported), and a logprob that is NaN,
+±inf, above 0 or absurdly negative (`canaryd.observation.logprob_problem`, top-k alternatives included) are
+all refused here, so no comparison ever sees them.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
 from canaryd.canaries import Canary
-from canaryd.observation import TokenLogprob
+from canaryd.observation import TokenLogprob, logprob_problem, storable, text_problem
 
-# Response headers worth keeping with each observation (never credentials or cookies).
-RECORDED_HEADERS = (
-    "server",
-    "openai-version",
-    "openai-processing-ms",
-    "openai-model",
-    "x-request-id",
-    "retry-after",
-    "via",
-)
 # Headers that identify the serving side; they join the stack snapshot, so they must be stable per stack.
 IDENTITY_HEADERS = ("server", "openai-version", "openai-model", "x-openrouter-provider")
+# Response headers worth keeping with each observation (never credentials or cookies): exact names only, so
+# a server sending hundreds of ``x-ratelimit-*`` variants cannot bloat every stored event.
+RECORDED_HEADERS = frozenset(
+    {
+        *IDENTITY_HEADERS,
+        "openai-processing-ms",
+        "x-request-id",
+        "retry-after",
+        "via",
+        *(
+            f"x-ratelimit-{what}-{unit}"
+            for what in ("limit", "remaining", "reset")
+            for unit in ("requests", "tokens")
+        ),
+    }
+)
+MAX_HEADER_VALUE = 256  # characters kept of each recorded header's value
 
 
 def keep_header(name: str) -> bool:
-    return name in RECORDED_HEADERS or name.startswith("x-ratelimit-")
+    """Whether a response header (lower-cased name) is recorded with the observation."""
+    return name in RECORDED_HEADERS
 
 
-# Request fields the openai SDK takes as keyword arguments; the rest travel in extra_body.
+def kept_headers(headers: Mapping[str, str] | Iterable[tuple[str, str]]) -> dict[str, str]:
+    """The response headers an observation records: the allow-listed names (lower-cased), each value cut to
+    `MAX_HEADER_VALUE` characters. Transports: ``obs.headers = wire.kept_headers(response.headers.items())``.
+    """
+    items = headers.items() if isinstance(headers, Mapping) else headers
+    out: dict[str, str] = {}
+    for name, value in items:
+        key = str(name).lower()
+        if keep_header(key):
+            out[key] = storable(str(value)[:MAX_HEADER_VALUE])
+    return out
+
+
+# Request fields the openai SDK took as keyword arguments (the rest went in extra_body): they set the key
+# order of the JSON canaryd sends (`openai_compat.wire_body`), which stayed byte for byte the SDK's.
 SDK_PARAMS = frozenset(
     {
         "model",
@@ -57,6 +84,28 @@ class InvalidResponse(Exception):
     """The server answered 2xx with a body we cannot use; the message names the field."""
 
 
+def parse_json(body: bytes | str) -> Any:
+    """A response body as JSON, or `InvalidResponse` saying why not (not UTF-8, not JSON, nested too deep).
+
+    Transports call this on the raw body bytes (``wire.parse_json(response.content)``) instead of
+    ``json.loads``: bytes are decoded as strict UTF-8, a leading BOM ignored (``json.loads`` on bytes would
+    let UTF-8-encoded surrogates through), and a body nested deeper than the interpreter's recursion limit
+    (about 1,000 levels), which makes ``json.loads`` raise ``RecursionError``, is an invalid response like
+    any other instead of an exception that costs the pass.
+    """
+    if isinstance(body, bytes | bytearray | memoryview):
+        try:
+            body = bytes(body).decode("utf-8-sig")  # RFC 8259 8.1: a parser may ignore a BOM
+        except UnicodeDecodeError as e:
+            raise InvalidResponse(f"body is not UTF-8 (byte {e.start})") from None
+    try:
+        return json.loads(body)
+    except RecursionError:
+        raise InvalidResponse("body is not JSON canaryd accepts (nested too deep)") from None
+    except ValueError as e:
+        raise InvalidResponse(f"body is not JSON ({' '.join(str(e).split())[:200]})") from None
+
+
 @dataclass(frozen=True, slots=True)
 class Parsed:
     """What canaryd takes from a completion body; ``tokens`` is None when the server sent no logprobs."""
@@ -72,12 +121,40 @@ class Parsed:
 
 
 def _typed(value: Any, kind: type | tuple[type, ...], where: str, optional: bool = True) -> Any:
-    """``value`` if it has the expected JSON type (or is absent and optional), else `InvalidResponse`."""
+    """``value`` if it has the expected JSON type (or is absent and optional), else `InvalidResponse`.
+    A string must also be storable text (no lone surrogate)."""
     if value is None and optional:
         return None
     if (isinstance(value, bool) and kind is int) or not isinstance(value, kind):
         raise InvalidResponse(f"response field {where} has type {type(value).__name__}")
+    if isinstance(value, str) and (why := text_problem(value)) is not None:
+        raise InvalidResponse(f"{where}: {why}")
     return value
+
+
+def _logprob(value: Any, where: str) -> float:
+    """A usable logprob (see `canaryd.observation.logprob_problem`), else `InvalidResponse` naming it."""
+    if (why := logprob_problem(value)) is not None:
+        raise InvalidResponse(f"{where}: {why}")
+    return float(value)
+
+
+def _guarded(parse: Callable[[Any], Parsed]) -> Callable[[Any], Parsed]:
+    """The parser, whose only failure is `InvalidResponse`: whatever else a hostile body provokes in it
+    costs that observation, never the pass."""
+
+    @functools.wraps(parse)
+    def wrapper(body: Any) -> Parsed:
+        try:
+            return parse(body)
+        except InvalidResponse:
+            raise
+        except RecursionError:
+            raise InvalidResponse("response nested too deep") from None
+        except Exception as e:
+            raise InvalidResponse(f"response malformed ({e.__class__.__name__})") from None
+
+    return wrapper
 
 
 def _envelope(body: Any) -> tuple[dict, Parsed]:
@@ -105,6 +182,23 @@ def _token_ids(choice: dict) -> list | None:
     return ids if isinstance(ids, list) else None
 
 
+def _token_id(ids: list | None, i: int) -> int | None:
+    if ids is None or i >= len(ids):
+        return None
+    return _typed(ids[i], int, f"choices.0.token_ids.{i}", optional=False)
+
+
+def _bytes(value: Any, where: str) -> tuple[int, ...] | None:
+    raw = _typed(value, list, where)
+    if raw is None:
+        return None
+    for j, b in enumerate(raw):
+        if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b <= 255:
+            raise InvalidResponse(f"{where}.{j}: not a byte")
+    return tuple(raw)
+
+
+@_guarded
 def parse_chat(body: Any) -> Parsed:
     """A chat completion body."""
     choice, parsed = _envelope(body)
@@ -116,45 +210,56 @@ def parse_chat(body: Any) -> Parsed:
         return replace(parsed, text=text)
     ids = _token_ids(choice)
     tokens = []
-    for i, c in enumerate(content):
-        try:
-            tokens.append(
-                TokenLogprob(
-                    token=str(c["token"]),
-                    logprob=float(c["logprob"]),
-                    token_id=int(ids[i]) if ids is not None and i < len(ids) else None,
-                    bytes=tuple(int(b) for b in c["bytes"]) if c.get("bytes") is not None else None,
-                    top=tuple((str(t["token"]), float(t["logprob"])) for t in c.get("top_logprobs") or ()),
+    for i, item in enumerate(content):
+        where = f"choices.0.logprobs.content.{i}"
+        c = _typed(item, dict, where, optional=False)
+        token = _typed(c.get("token"), str, f"{where}.token", optional=False)
+        logprob = _logprob(c.get("logprob"), f"{where}.logprob")
+        top = []
+        for j, alt in enumerate(_typed(c.get("top_logprobs"), list, f"{where}.top_logprobs") or ()):
+            t = _typed(alt, dict, f"{where}.top_logprobs.{j}", optional=False)
+            top.append(
+                (
+                    _typed(t.get("token"), str, f"{where}.top_logprobs.{j}.token", optional=False),
+                    _logprob(t.get("logprob"), f"{where}.top_logprobs.{j}.logprob"),
                 )
             )
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise InvalidResponse(
-                f"choices.0.logprobs.content.{i}: malformed ({e.__class__.__name__})"
-            ) from None
+        tokens.append(
+            TokenLogprob(
+                token=token,
+                logprob=logprob,
+                token_id=_token_id(ids, i),
+                bytes=_bytes(c.get("bytes"), f"{where}.bytes"),
+                top=tuple(top),
+            )
+        )
     return replace(parsed, text=text, tokens=tokens)
 
 
+@_guarded
 def parse_completion(body: Any) -> Parsed:
     """A legacy completion body (``logprobs`` as parallel lists)."""
     choice, parsed = _envelope(body)
     text = _typed(choice.get("text"), str, "choices.0.text")
     lp = _typed(choice.get("logprobs"), dict, "choices.0.logprobs") or {}
-    if lp.get("tokens") is None:
+    where = "choices.0.logprobs"
+    toks = _typed(lp.get("tokens"), list, f"{where}.tokens")
+    if toks is None:
         return replace(parsed, text=text)
+    values = _typed(lp.get("token_logprobs"), list, f"{where}.token_logprobs", optional=False)
+    tops = _typed(lp.get("top_logprobs"), list, f"{where}.top_logprobs") or [None] * len(toks)
+    if not len(toks) == len(values) == len(tops):
+        raise InvalidResponse(f"{where}: tokens, token_logprobs and top_logprobs differ in length")
     ids = _token_ids(choice)
-    try:
-        tops = lp.get("top_logprobs") or [None] * len(lp["tokens"])
-        tokens = [
-            TokenLogprob(
-                token=str(tok),
-                logprob=float(val),
-                token_id=int(ids[i]) if ids is not None and i < len(ids) else None,
-                top=tuple((str(t), float(v)) for t, v in (top or {}).items()),
-            )
-            for i, (tok, val, top) in enumerate(zip(lp["tokens"], lp["token_logprobs"], tops, strict=True))
-        ]
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise InvalidResponse(f"choices.0.logprobs: malformed ({e.__class__.__name__})") from None
+    tokens = []
+    for i, (tok, value, alts) in enumerate(zip(toks, values, tops, strict=True)):
+        token = _typed(tok, str, f"{where}.tokens.{i}", optional=False)
+        logprob = _logprob(value, f"{where}.token_logprobs.{i}")
+        top = []
+        for alt, v in (_typed(alts, dict, f"{where}.top_logprobs.{i}") or {}).items():
+            alt = _typed(alt, str, f"{where}.top_logprobs.{i}", optional=False)  # the key is the token
+            top.append((alt, _logprob(v, f"{where}.top_logprobs.{i}.{alt[:32]!r}")))
+        tokens.append(TokenLogprob(token=token, logprob=logprob, token_id=_token_id(ids, i), top=tuple(top)))
     return replace(parsed, text=text, tokens=tokens)
 
 

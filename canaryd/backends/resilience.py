@@ -4,6 +4,11 @@ kind with both.
 A canary must see failures, so retries are few and visible (each observation records its attempts), and
 a backend that keeps failing is left alone for a cool-down instead of being hammered every cycle. The
 policy and the breaker are pure logic with an injectable clock.
+
+Retries never outlast a stop: `Resilient` takes a ``stopping`` event (the daemon's, set on SIGTERM). Once
+it is set no attempt starts (a canary whose turn had not come is recorded as ``stopped``, unsent), a
+backoff wait wakes up at once, and what was in flight ends at its own deadline (``timeout_s``), so a stop
+waits for one attempt at most, however many retries were configured.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING
 
+from canaryd.backends.base import BackendUnavailable
 from canaryd.observation import ErrorKind, Observation, utcnow
 
 if TYPE_CHECKING:
@@ -89,17 +95,24 @@ class Resilient:
     An exception a kind lets escape becomes an ``internal`` observation, never a lost pass.
     """
 
-    def __init__(self, prober: Prober, settings: BackendSettings) -> None:
+    def __init__(
+        self, prober: Prober, settings: BackendSettings, stopping: threading.Event | None = None
+    ) -> None:
         self.prober = prober
         self.name, self.kind = prober.name, prober.kind
         self.retry = RetryPolicy(settings.retries, settings.retry_backoff, settings.retry_max_wait)
         self.breaker = CircuitBreaker(settings.breaker_failures, settings.breaker_cooldown)
+        self.stopping = stopping if stopping is not None else threading.Event()
+        if hasattr(prober, "stopping"):  # a kind whose snapshot makes several calls stops between them
+            prober.stopping = self.stopping  # type: ignore[attr-defined]
 
     @property
     def concurrency(self) -> int:
         return self.prober.concurrency
 
     def snapshot(self) -> dict[str, str]:
+        if self.stopping.is_set():
+            raise BackendUnavailable(ErrorKind.STOPPED, "not probed: canaryd is stopping")
         return self.prober.snapshot()
 
     def request(self, canary: Canary) -> dict:
@@ -117,12 +130,17 @@ class Resilient:
     def probe(self, canary: Canary) -> Observation:
         """Send one canary, retrying transient failures; never raises."""
         started = utcnow()
+        if self.stopping.is_set():
+            obs = self._unsent(canary, started)
+            obs.error_kind, obs.attempts = ErrorKind.STOPPED, 0
+            obs.error = "not sent: canaryd is stopping"
+            return obs
         if not self.breaker.allow():
             obs = self._unsent(canary, started)
             obs.error_kind, obs.attempts = ErrorKind.CIRCUIT_OPEN, 0
             obs.error = f"not sent: {self.breaker.failures}+ failed probes in a row, cooling down"
             return obs
-        attempt = 1
+        attempt, stopped = 1, False
         while True:
             obs = self._attempt(canary, started)
             obs.attempts = attempt
@@ -133,10 +151,15 @@ class Resilient:
                 or attempt > self.retry.retries
             ):
                 break
-            time.sleep(self.retry.wait_s(attempt, _seconds(obs.headers.get("retry-after"))))
+            wait = self.retry.wait_s(attempt, _seconds(obs.headers.get("retry-after")))
+            if self.stopping.wait(wait):  # wakes at once on a stop: no further attempt
+                stopped = True
+                break
             attempt += 1
         if attempt > 1 and obs.error:
             obs.error = f"{obs.error} (after {attempt} attempts)"
+        if stopped and obs.error:
+            obs.error = f"{obs.error} (not retried: canaryd is stopping)"
         self.breaker.record(obs.ok or not obs.error_kind.retryable)  # type: ignore[union-attr]
         return obs
 

@@ -31,6 +31,7 @@ import enum
 import gc
 import hashlib
 import json
+import math
 import os
 import threading
 import time
@@ -42,10 +43,10 @@ from pydantic import Field
 
 from canaryd.backends import hostfacts
 from canaryd.backends.base import BackendSettings, BackendUnavailable
-from canaryd.backends.openai_wire import request_hash
+from canaryd.backends.openai_wire import InvalidResponse, request_hash
 from canaryd.backends.vllm_server import TEMPLATE_PROBE
 from canaryd.canaries import Canary
-from canaryd.observation import ErrorKind, Observation, TokenLogprob, utcnow
+from canaryd.observation import LOGPROB_MAX, ErrorKind, Observation, TokenLogprob, logprob_problem, utcnow
 
 EXAMPLE = """\
 # vLLM in-process: the exact engine a benchmark will use (whole-stack snapshot, batch size 1).
@@ -364,6 +365,8 @@ class Prober:
                 # computes differently, and would make later passes drift from the baseline.
                 llm.reset_prefix_cache()
                 self._generate(llm, canary, body, obs)
+            except InvalidResponse as e:  # the engine answered, with values no engine should produce
+                obs.error_kind, obs.error, obs.tokens = ErrorKind.INVALID_RESPONSE, str(e), []
             except Exception as e:
                 obs.error_kind = ErrorKind.INTERNAL
                 obs.error = f"{e.__class__.__name__}: {str(e)[:300]}"
@@ -403,10 +406,24 @@ def _key(token_id: int) -> str:
     return f"token_id:{token_id}"
 
 
+def _logprob(value: Any, where: str) -> float:
+    """A logprob as vLLM's server sends it: -inf (and anything below -9999) clamped at -9999, the server's
+    floor for a token the sampler masked; NaN or a value above 0 is no logprob (`InvalidResponse`)."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError, OverflowError):
+        raise InvalidResponse(f"{where}: has type {type(value).__name__}") from None
+    if math.isnan(v) or v > LOGPROB_MAX:
+        raise InvalidResponse(f"{where}: {logprob_problem(v)}")
+    return max(v, -9999.0)
+
+
 def token_logprobs(token_ids: Any, steps: Any, k: int) -> list[TokenLogprob]:
-    """vLLM's per-step ``{token_id: Logprob}`` as canaryd tokens (logprobs clamped like the server's)."""
+    """vLLM's per-step ``{token_id: Logprob}`` as canaryd tokens (logprobs clamped like the server's).
+
+    `InvalidResponse` (naming the step) when a logprob is NaN or above 0: the engine produced garbage."""
     tokens = []
-    for tid, step in zip(token_ids, steps, strict=True):
+    for i, (tid, step) in enumerate(zip(token_ids, steps, strict=True)):
         chosen = step[tid]
         ranked = sorted(
             ((lp.rank, t, lp.logprob) for t, lp in step.items() if lp.rank is not None and lp.rank <= k),
@@ -415,10 +432,13 @@ def token_logprobs(token_ids: Any, steps: Any, k: int) -> list[TokenLogprob]:
         tokens.append(
             TokenLogprob(
                 token=_key(tid),
-                logprob=max(chosen.logprob, -9999.0),
+                logprob=_logprob(chosen.logprob, f"outputs.0.logprobs.{i}.logprob"),
                 token_id=int(tid),
                 bytes=None if decoded is None else tuple(decoded.encode("utf-8", errors="replace")),
-                top=tuple((_key(t), max(lp, -9999.0)) for _, t, lp in ranked),
+                top=tuple(
+                    (_key(t), _logprob(lp, f"outputs.0.logprobs.{i}.top.{j}.logprob"))
+                    for j, (_, t, lp) in enumerate(ranked)
+                ),
             )
         )
     return tokens

@@ -4,11 +4,13 @@ canaryd is directly instrumented (it probes on its own schedule; a scrape never 
 Labels are bounded: ``backend`` and ``canary`` come from the config, ``verdict`` and ``reason`` are
 enums, and free text (answers, errors, prompts) never becomes a label. The stack ``_info`` series carries
 the few identity strings a dashboard needs (engine version, fingerprint, model, stack hash), one series
-per backend at a time.
+per backend at a time, each cut to ``label_length`` characters (`bounded`: a server's 1 MB fingerprint is
+a label of 128; the full value stays in the database).
 """
 
 from __future__ import annotations
 
+import hashlib
 import sys
 import time
 from collections import deque
@@ -28,23 +30,44 @@ from prometheus_client import (
 from canaryd.backends import engine_version
 from canaryd.judge.compare import Verdict
 from canaryd.judge.stats import DetectorState
-from canaryd.observation import ErrorKind
+from canaryd.observation import ErrorKind, storable
 from canaryd.probe.run import BackendRun
 
 PROBE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+MARK = "…"  # where a label value too long for its series was cut
+HASH_CHARS = 10  # hex digits of the whole value's hash kept after the mark: two long values stay distinct
+
+
+def _digest(value: str) -> str:
+    return hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def bounded(value: str, limit: int) -> str:
+    """``value`` as a label value of at most ``limit`` characters (limit ≥ 16): a longer one is cut to its
+    first characters (three quarters of the limit at most), the mark and a hash of the whole value. Text
+    UTF-8 cannot encode is escaped, so one odd value can never break the exposition."""
+    value = storable(value)
+    if len(value) <= limit:
+        return value
+    head = max(0, min(limit * 3 // 4, limit - len(MARK) - HASH_CHARS))
+    return value[:head] + MARK + _digest(value)[:HASH_CHARS]
 
 
 class Metrics:
     """Every series canaryd exports, on a registry of its own (no global state)."""
 
     def __init__(
-        self, registry: CollectorRegistry | None = None, fingerprint_window_s: float = 3600.0
+        self,
+        registry: CollectorRegistry | None = None,
+        fingerprint_window_s: float = 3600.0,
+        label_length: int = 128,
     ) -> None:
         disable_created_metrics()  # the *_created series double the output and no alert or panel needs them
         self.registry = r = registry or CollectorRegistry()
         ProcessCollector(registry=r)  # process_resident_memory_bytes & co: watch the watcher
         PlatformCollector(registry=r)
         self.fingerprint_window_s = fingerprint_window_s
+        self.label_length = label_length
         bc = ("backend", "canary")
         self.verdict = Gauge(
             "canaryd_canary_verdict",
@@ -222,13 +245,30 @@ class Metrics:
         for backend, canary, seconds in intervals:
             self.interval.labels(backend, canary).set(seconds)
 
+    def record_failed(
+        self, backend: str, canary_ids: Iterable[str], reason: ErrorKind = ErrorKind.INTERNAL
+    ) -> None:
+        """A backend's pass that produced no results to record (canaryd failed at it): each canary's last
+        probe is a failure of ``reason``, so the failing-probes alert sees it like any other failure. The
+        last-probe times stay: nothing was recorded, and the staleness alert should see that too."""
+        for c in canary_ids:
+            for v in Verdict:
+                self.verdict.labels(backend, c, v.value).set(1 if v is Verdict.ERROR else 0)
+            self.verdicts.labels(backend, c, Verdict.ERROR.value).inc()
+            self.success.labels(backend, c).set(0)
+            self.failures.labels(backend, c, reason.value).inc()
+
     def record(self, run: BackendRun, now: float | None = None) -> None:
         """Fold one backend's probe pass into the series."""
         now = time.time() if now is None else now
         b = run.backend
-        self.reachable.labels(b).set(0 if run.unavailable else 1)
+        stopped = ErrorKind.STOPPED  # not sent because canaryd was stopping: says nothing of the backend
+        if run.unavailable is None or run.unavailable.kind is not stopped:
+            self.reachable.labels(b).set(0 if run.unavailable else 1)
         for res in run.results:
             obs, cmp = res.observation, res.comparison
+            if obs.error_kind is stopped:
+                continue
             c = obs.canary_id
             for v in Verdict:
                 self.verdict.labels(b, c, v.value).set(1 if v is cmp.verdict else 0)
@@ -255,8 +295,8 @@ class Metrics:
                 self.logprob_delta.labels(b, c).set(0)
             if cmp.evidence is not None and cmp.evidence.p_value is not None:
                 self.pvalue.labels(b, c).set(cmp.evidence.p_value)
-            if obs.system_fingerprint:
-                self._fingerprints.setdefault(b, deque()).append((now, obs.system_fingerprint))
+            if obs.system_fingerprint:  # by digest: a window of 1 MB fingerprints must not fill memory
+                self._fingerprints.setdefault(b, deque()).append((now, _digest(obs.system_fingerprint)))
         if not run.unavailable:  # an unreachable backend keeps its last evidence
             state = run.detector or DetectorState()
             self.e_cusum.labels(b).set(state.statistic)
@@ -265,9 +305,12 @@ class Metrics:
 
     def _record_stack(self, run: BackendRun, now: float) -> None:
         b = run.backend
-        seen = self._fingerprints.setdefault(b, deque())
-        while seen and seen[0][0] < now - self.fingerprint_window_s:
-            seen.popleft()
+        # The window is elapsed time. A stamp ahead of ``now`` (the wall clock went back) counts as seen
+        # now: it ages out a window from here, not when the clock catches up with it, and it cannot hold
+        # the stamps behind it in the window (nor grow it) meanwhile.
+        cutoff = now - self.fingerprint_window_s
+        seen = deque((min(t, now), fp) for t, fp in self._fingerprints.get(b, ()) if t >= cutoff)
+        self._fingerprints[b] = seen
         self.fingerprints.labels(b).set(len({fp for _, fp in seen}))
         if run.unavailable or not run.stack_hash:
             return
@@ -279,11 +322,16 @@ class Metrics:
         fingerprint = run.stack.get("response.system_fingerprint", "")
         labels = (
             b,
-            run.kind,
-            engine_version(run.kind, run.stack),
-            fingerprint,
-            run.stack.get("response.model", run.stack.get("request.model", "")),
-            run.stack_hash,
+            *(
+                bounded(v, self.label_length)
+                for v in (
+                    run.kind,
+                    engine_version(run.kind, run.stack),
+                    fingerprint,
+                    run.stack.get("response.model", run.stack.get("request.model", "")),
+                    run.stack_hash,
+                )
+            ),
         )
         old = self._stack_labels.get(b)
         if old is not None and old != labels:

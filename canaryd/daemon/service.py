@@ -5,15 +5,20 @@ APScheduler 3.x (stable; 4.x is still alpha) runs one job per configured schedul
 interval. Every pass probes, stores, compares and folds the results into the metrics served on the
 configured listen address.
 
-Signals: SIGTERM/SIGINT stop the scheduler and wait for in-flight probes (each observation is written
-in one transaction, so nothing is half-written); SIGHUP reloads the config — a new config that does not
-validate is logged and counted, and the old one keeps running. systemd ``Type=notify``: READY once the
-store, the listener and the scheduler are up, WATCHDOG pings while the scheduler thread lives.
+Signals: SIGTERM/SIGINT stop within the backends' longest ``timeout_s`` plus `STOP_GRACE_S`, whatever the
+backends do: the stop event is shared with every backend's retry loop, so no attempt starts after it (the
+canaries whose turn had not come are recorded as ``stopped``) and no backoff wait goes on; attempts in
+flight end at their deadline, and the passes store what they got (each observation in one transaction, so
+nothing is half-written) before the backends, the listener and the store close. SIGHUP reloads the
+config — a new config that does not validate is logged and counted, and the old one keeps running.
+systemd ``Type=notify``: READY once the store, the listener and the scheduler are up, WATCHDOG pings
+while the scheduler thread lives.
 """
 
 from __future__ import annotations
 
-import signal
+import os
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,18 +31,23 @@ from apscheduler.events import EVENT_JOB_MAX_INSTANCES, EVENT_JOB_MISSED, JobExe
 from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.cron import CronTrigger
 from apscheduler.triggers.interval import IntervalTrigger
-from prometheus_client import start_http_server
 
 from canaryd.backends import Backend, make_backend
 from canaryd.canaries import Canary, load_suites
 from canaryd.config import Config, ScheduleConfig, load_config
-from canaryd.daemon import sdnotify
+from canaryd.daemon import sdnotify, signals
+from canaryd.daemon.httpserver import MetricsServer
 from canaryd.daemon.metrics import Metrics
 from canaryd.errors import InputError
 from canaryd.probe.run import plan, probe_backend
-from canaryd.store import Store
+from canaryd.store import open_store
 
 log = structlog.get_logger("canaryd.daemon")
+
+# Seconds a stop waits beyond the backends' longest timeout_s: for the passes to store what they got.
+STOP_GRACE_S = 3.0
+# A step back of the wall clock larger than this reschedules every job (see `Daemon._follow_clock`).
+CLOCK_STEP_S = 1.0
 
 
 @dataclass
@@ -52,9 +62,9 @@ class Generation:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
-    def build(cls, config: Config) -> Generation:
+    def build(cls, config: Config, stopping: threading.Event | None = None) -> Generation:
         """Validate everything a pass needs up front, so a bad reload never reaches the scheduler."""
-        suites = load_suites([s.path for s in config.suites])
+        suites = load_suites([s.path for s in config.suites], config.limits.suite_bytes)
         names = {s.name for s in suites}
         full = plan(config, suites)
         work: dict[str, dict[str, list[Canary]]] = {}
@@ -67,7 +77,7 @@ class Generation:
                 for b, canaries in full.items()
                 if sched.backends is None or b in sched.backends
             }
-        return cls(config, {b.name: make_backend(b) for b in config.backends}, work)
+        return cls(config, {b.name: make_backend(b, stopping) for b in config.backends}, work)
 
     def work_pairs(self) -> dict[str, set[str]]:
         """Every backend with the ids of the canaries any schedule sends it."""
@@ -121,9 +131,13 @@ class Daemon:
         self.config = config
         self.stop_event = threading.Event()
         self.reload_requested = threading.Event()
-        self.metrics = Metrics(fingerprint_window_s=config.daemon.fingerprint_window)
-        self.store = Store(config.storage_url, instance=config.daemon.instance)
-        self.gen = Generation.build(config)
+        self.metrics = Metrics(
+            fingerprint_window_s=config.daemon.fingerprint_window, label_length=config.limits.label_length
+        )
+        self.store = open_store(config)
+        self.gen = Generation.build(config, self.stop_event)
+        self._in_flight = 0  # passes running, of any generation (what a stop waits for)
+        self._idle = threading.Condition()
         self.scheduler = BackgroundScheduler(
             timezone=UTC, job_defaults={"coalesce": True, "max_instances": 1}
         )
@@ -139,18 +153,52 @@ class Daemon:
             self.metrics.schedule_runs.labels(schedule).inc()
             work = gen.work.get(schedule, {})
             with ThreadPoolExecutor(max_workers=max(1, len(work)), thread_name_prefix="backend") as ex:
-                futures = [
-                    ex.submit(probe_backend, gen.backends[b], canaries, self.store, gen.config)
+                futures = {
+                    b: ex.submit(probe_backend, gen.backends[b], canaries, self.store, gen.config)
                     for b, canaries in work.items()
-                ]
-                for f in futures:
-                    self.metrics.record(f.result())
+                }
+                # each backend on its own: one that fails (probing, storing or recording) costs its own
+                # series, and its canaries count as failed probes, so the failing-probes alert sees it
+                for b, f in futures.items():
+                    try:
+                        self.metrics.record(f.result())
+                    except Exception:
+                        log.exception("backend_pass_failed", backend=b)
+                        ids = [i for c in work[b] for i in c.observed_ids()]
+                        try:
+                            self.metrics.record_failed(b, ids)
+                        except Exception:
+                            log.exception("backend_pass_failed_unrecorded", backend=b)
             self.metrics.schedule_last.labels(schedule).set(time.time())
         except Exception:
             log.exception("pass_failed")
         finally:
             structlog.contextvars.unbind_contextvars("schedule")
             gen.release()
+
+    def _job(self, schedule: str) -> None:
+        """A scheduled pass, counted so a stop knows what it waits for; none starts once stopping."""
+        with self._idle:
+            if self.stop_event.is_set():
+                return
+            self._in_flight += 1
+        try:
+            self._pass(schedule)
+        finally:
+            with self._idle:
+                self._in_flight -= 1
+                self._idle.notify_all()
+
+    def _follow_clock(self, offset: float) -> float:
+        """Reschedule when the wall clock stepped back (NTP correcting it, a VM resumed from a snapshot):
+        APScheduler waits for the wall-clock fire times it computed before the step, so a clock set back
+        an hour would mean an hour without a pass. ``offset`` is the wall clock's lead on monotonic time
+        at the last call; returns it now. (A step forward needs nothing: the next pass is simply due.)"""
+        now = time.time() - time.monotonic()
+        if now < offset - CLOCK_STEP_S:
+            log.warning("clock_stepped_back", seconds=round(offset - now, 1))
+            self._install(self.gen)  # interval schedules fire at once, then every interval from now
+        return now
 
     def _missed(self, event: JobExecutionEvent) -> None:
         self.metrics.schedule_missed.labels(event.job_id).inc()
@@ -162,7 +210,7 @@ class Daemon:
         intervals = []
         for s in gen.config.schedules:
             self.scheduler.add_job(
-                self._pass,
+                self._job,
                 trigger_for(s),
                 args=[s.name],
                 id=s.name,
@@ -181,8 +229,16 @@ class Daemon:
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def start(self) -> None:
+        """Listen, schedule, then READY. An address that cannot be listened on is a config error (exit 2)."""
         host, port = self.config.daemon.host_port
-        self.httpd, _ = start_http_server(port, addr=host, registry=self.metrics.registry)
+        try:
+            self.httpd = MetricsServer((host, port), self.metrics.registry)
+        except OSError as e:
+            why = e.strerror or str(e)
+            raise InputError(
+                f"{self.config.path}: daemon.listen {self.config.daemon.listen}: {why[:1].lower()}{why[1:]}"
+            ) from None
+        threading.Thread(target=self.httpd.serve_forever, name="metrics-http", daemon=True).start()
         self._install(self.gen)
         self._restore_last_probes()
         self.scheduler.start()
@@ -210,7 +266,7 @@ class Daemon:
         sdnotify.reloading()
         try:
             config = load_config(self.config_path)
-            gen = Generation.build(config)
+            gen = Generation.build(config, self.stop_event)
         except InputError as e:
             self.metrics.reload_failures.inc()
             log.error("reload_rejected", error=str(e))
@@ -226,25 +282,45 @@ class Daemon:
         sdnotify.notify("READY=1", f"STATUS=probing {len(config.backends)} backend(s)")
         return True
 
-    def stop(self) -> None:
+    def stop(self) -> bool:
+        """Stop within the longest ``timeout_s`` plus `STOP_GRACE_S`; False if a pass was still running
+        then (a kind that ignores its deadline): its backends and the store are left open to the exit."""
+        self.stop_event.set()  # no attempt starts, backoff waits end (the backends share this event)
         sdnotify.notify("STOPPING=1")
         log.info("stopping")
-        self.scheduler.shutdown(wait=True)  # lets in-flight passes finish; probes have timeouts
-        self.gen.retire()
+        if self.scheduler.running:
+            self.scheduler.shutdown(wait=False)  # no new pass; the running ones are waited for below
+        bound = max((b.timeout_s for b in self.config.backends), default=0.0) + STOP_GRACE_S
+        with self._idle:
+            done = self._idle.wait_for(lambda: self._in_flight == 0, timeout=bound)
+        if done:
+            self.gen.retire()
         if self.httpd is not None:
             self.httpd.shutdown()
+        if not done:
+            log.error("stop_abandoned", passes=self._in_flight, waited_s=round(bound, 1))
+            return False
         self.store.close()
         log.info("stopped")
+        return True
 
     def serve_forever(self) -> None:
-        """Main thread: signals, reloads and watchdog pings until SIGTERM/SIGINT."""
-        signal.signal(signal.SIGTERM, lambda *_: self.stop_event.set())
-        signal.signal(signal.SIGINT, lambda *_: self.stop_event.set())
-        signal.signal(signal.SIGHUP, lambda *_: self.reload_requested.set())
+        """Main thread: signals, reloads and watchdog pings until SIGTERM/SIGINT.
+
+        The signals are this daemon's from here on, with any that came during start-up (`signals`): a stop
+        requested before the listener and the scheduler are up closes what was built and starts nothing.
+        """
+        signals.install(self.stop_event, self.reload_requested)
+        if self.stop_event.is_set():
+            log.info("stopped_before_start")
+            self.stop()
+            return
         self.start()
         period, last_ping = sdnotify.watchdog_period(), 0.0
+        offset = time.time() - time.monotonic()
         try:
             while not self.stop_event.wait(min(period or 1.0, 1.0)):
+                offset = self._follow_clock(offset)
                 if self.reload_requested.is_set():
                     self.reload_requested.clear()
                     self.reload()
@@ -252,4 +328,9 @@ class Daemon:
                     sdnotify.notify("WATCHDOG=1")
                     last_ping = time.monotonic()
         finally:
-            self.stop()
+            if not self.stop():
+                # A pass ignored its deadline (nothing an HTTP kind does): end the process anyway, as
+                # promised. What was committed is kept; a transaction still open is rolled back whole.
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(0)

@@ -20,7 +20,7 @@ from canaryd.judge.stats import (
     score,
 )
 from canaryd.judge.verdicts import Verdict
-from canaryd.observation import Observation, TokenLogprob
+from canaryd.observation import ErrorKind, Observation, TokenLogprob, tokens_problem
 from canaryd.stack import FieldChange, diff
 
 __all__ = ["Comparison", "Decision", "Evidence", "TokenDelta", "Verdict", "compare", "decide", "token_delta"]
@@ -124,12 +124,24 @@ def compare(
     this function needs no canary and stays trivially testable. With a calibrated ``noise`` model of this
     request, whether something moved *beyond noise* is decided by `stats.score` (its evidence rides on the
     comparison) instead of by ``logprob_tolerance``.
+
+    Unusable logprobs (NaN, ±inf, above 0, absurdly negative: `canaryd.observation.logprob_problem`) are
+    never compared: in ``current`` they are an error; a ``baseline`` with them (stored by an older version)
+    is refused, and ``current`` becomes the baseline (a ``baseline`` verdict, with the reason).
     """
     if not current.ok:
         return Comparison(Verdict.ERROR, None, reasons=(f"{current.error_kind}: {current.error}",))
+    if (bad := tokens_problem(current.tokens)) is not None:  # the probe pass vets answers; callers may not
+        return Comparison(Verdict.ERROR, None, reasons=(f"{ErrorKind.INVALID_RESPONSE}: {bad}",))
     if baseline is None:
         return Comparison(
             Verdict.BASELINE, correct, reasons=("no baseline yet: this observation becomes it",)
+        )
+    if (bad := tokens_problem(baseline.tokens)) is not None:  # stored by a version that did not vet them
+        return Comparison(
+            Verdict.BASELINE,
+            correct,
+            reasons=(f"stored baseline refused ({bad}): this observation replaces it",),
         )
     if baseline.request_hash != current.request_hash:
         return Comparison(

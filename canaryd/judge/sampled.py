@@ -65,7 +65,7 @@ import numpy as np
 from canaryd.canaries import Expect
 from canaryd.judge.compare import Comparison, Evidence, Verdict
 from canaryd.judge.stats import p_to_e
-from canaryd.observation import Observation
+from canaryd.observation import Observation, tokens_problem
 from canaryd.stack import diff, merge_stacks
 
 Z95 = 1.959963984540054  # two-sided 95% normal quantile
@@ -301,7 +301,7 @@ def compare_samples(
     ``baseline`` and ``current`` are in sending order (sample 0 first), failed samples included.
     ``correct`` is left None: it is per sample (`judge_samples` fills it in).
     """
-    now = [o for o in current if o.ok]
+    now = [o for o in current if o.ok and tokens_problem(o.tokens) is None]
     if not now:
         last = current[-1] if current else None
         why = f"{last.error_kind}: {last.error}" if last else "no samples"
@@ -314,6 +314,15 @@ def compare_samples(
     if baseline[0].request_hash != current[0].request_hash:
         return Comparison(
             Verdict.BASELINE, None, reasons=("canary request changed since the baseline: new baseline",)
+        )
+    refused = next(
+        (f"sample {i}: {bad}" for i, o in enumerate(base) if (bad := tokens_problem(o.tokens))), None
+    )
+    if refused is not None:  # stored by a version that did not vet logprobs
+        return Comparison(
+            Verdict.BASELINE,
+            None,
+            reasons=(f"stored baseline refused ({refused}): these samples replace it",),
         )
 
     level = alpha / 2  # Bonferroni over the two tests

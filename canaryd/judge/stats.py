@@ -61,7 +61,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from canaryd.observation import Observation
+from canaryd.observation import Observation, logprob_problem, tokens_problem
 
 S_FLOOR = 1e-6  # nats: below the float32 resolution of a logprob's magnitude, so only real change counts
 GUARD = 0.2  # the margin over the largest honest leave-one-out distance
@@ -254,13 +254,25 @@ class NoiseModel:
 
     @classmethod
     def from_dict(cls, doc: dict) -> NoiseModel:
-        return cls(
+        """The stored model; `CalibrationError` when it holds values no calibration can have produced
+        (unusable logprobs, a spread or distance that is not a finite positive number)."""
+        model = cls(
             request_hash=doc["request_hash"],
             refs=tuple(Point.from_list(r) for r in doc["refs"]),
             spread={(int(p), str(t)): float(s) for p, t, s in doc["spread"]},
             default_spread=float(doc["default_spread"]),
             loo=tuple(float(x) for x in doc["loo"]),
         )
+        for i, ref in enumerate(model.refs):
+            for (pos, tok), v in ref.coords.items():
+                if (why := logprob_problem(v)) is not None:
+                    raise CalibrationError(f"refs.{i}: logprob at {pos} {tok!r}: {why}")
+        scales = [*model.spread.values(), model.default_spread]
+        if not all(math.isfinite(v) and v > 0 for v in scales):
+            raise CalibrationError("a spread is not a finite positive number")
+        if not model.loo or not all(math.isfinite(v) and v >= 0 for v in model.loo):
+            raise CalibrationError("a leave-one-out distance is not a finite number >= 0")
+        return model
 
 
 def _quantile(sorted_values: Sequence[float], q: float) -> float:
@@ -272,8 +284,12 @@ class CalibrationError(ValueError):
 
 
 def fit(observations: Sequence[Observation]) -> NoiseModel:
-    """Learn the noise model from K ≥ 2 honest probes of one request (failed probes are left out)."""
+    """Learn the noise model from K ≥ 2 honest probes of one request (failed probes are left out; one with
+    an unusable logprob, which the probe pass would have made an error, is a `CalibrationError`)."""
     ok = [o for o in observations if o.ok]
+    for i, o in enumerate(ok):
+        if (why := tokens_problem(o.tokens)) is not None:
+            raise CalibrationError(f"calibration probe {i}: {why}")
     if len(ok) < 2:
         raise CalibrationError(f"need at least 2 successful probes to calibrate, got {len(ok)}")
     if len({o.request_hash for o in ok}) != 1:

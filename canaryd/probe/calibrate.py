@@ -22,8 +22,9 @@ from canaryd.canaries import Canary
 from canaryd.config import Config
 from canaryd.errors import EXIT_DRIFT, EXIT_OK, EXIT_UNAVAILABLE, InputError
 from canaryd.judge.stats import CalibrationError, NoiseModel, fit, score
+from canaryd.observation import tokens_problem
 from canaryd.probe.shapes import shape_of
-from canaryd.store import Store
+from canaryd.store import Store, open_store
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +80,8 @@ def calibrate(
                 continue
             problem = None
             base = store.baseline(backend.name, cid)
+            if base is not None and tokens_problem(base.observation.tokens) is not None:
+                base = None  # unusable logprobs, stored by an older version: the next pass replaces it
             if base is not None and base.observation.request_hash == model.request_hash:
                 ev = score(model, base.observation)
                 if ev.out:
@@ -139,7 +142,7 @@ def calibrate_config(
     k = config.compare.calibration_k if k is None else k
     if not 2 <= k <= 1000:
         raise InputError(f"-k: {k} is not from 2 to 1000")
-    work = plan(config, load_suites([s.path for s in config.suites]), only=backend)
+    work = plan(config, load_suites([s.path for s in config.suites], config.limits.suite_bytes), only=backend)
     known = {c.id: c for cs in work.values() for c in cs}
     for cid in canary_ids or ():
         if cid not in known:
@@ -150,7 +153,7 @@ def calibrate_config(
             )
     results: list[Calibrated] = []
     unavailable: dict[str, str] = {}
-    store = Store(config.storage_url, instance=config.daemon.instance)
+    store = open_store(config)
     try:
         for name, canaries in work.items():
             chosen = [c for c in canaries if not canary_ids or c.id in canary_ids]

@@ -32,6 +32,7 @@ from canaryd.config import Config
 from canaryd.errors import EXIT_DRIFT, EXIT_OK, EXIT_UNAVAILABLE, InputError
 from canaryd.judge.census import Census, summarize
 from canaryd.observation import Observation
+from canaryd.probe import vet
 from canaryd.probe.shapes import shape_of
 
 MAX_BATCH = 256  # the most requests a census puts in flight at once (BackendConfig.concurrency's bound)
@@ -93,13 +94,13 @@ def collect(
             out[b] = []
             for _ in range(n):
                 if b == 1:
-                    out[b].append(backend.probe(canary))
+                    out[b].append(vet.probe(backend, canary))
                     continue
                 barrier = threading.Barrier(b)
 
                 def send(c: Canary, barrier: threading.Barrier = barrier) -> Observation:
                     barrier.wait()  # the pool has a thread for each of the round's b requests
-                    return backend.probe(c)
+                    return vet.probe(backend, c)
 
                 mine = pool.submit(send, canary)
                 crowd = [pool.submit(send, next(cycle)) for _ in range(b - 1)]
@@ -182,7 +183,9 @@ def take_census(
 
     if backend is not None:
         config.backend(backend)  # an unknown name is an InputError
-    planned = plan(config, load_suites([s.path for s in config.suites]), only=backend)
+    planned = plan(
+        config, load_suites([s.path for s in config.suites], config.limits.suite_bytes), only=backend
+    )
     # one request per probe: a chained canary's steps depend on each other's outputs, so it is left out
     work = {b: [c for c in cs if shape_of(c).single_request] for b, cs in planned.items()}
     chained = {c.id for cs in planned.values() for c in cs if not shape_of(c).single_request}

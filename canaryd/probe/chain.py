@@ -17,6 +17,7 @@ from canaryd.backends import Backend
 from canaryd.canaries import STEP_REF, Canary, Message, Step
 from canaryd.judge.compare import Comparison, Verdict
 from canaryd.observation import Observation, utcnow
+from canaryd.probe import vet
 
 # A step "diverged" when its own output moved: any drift verdict but a stack change, which (like noise)
 # moved nothing it said.
@@ -52,7 +53,7 @@ def run_chain(backend: Backend, canary: Canary) -> list[Observation]:
     observations = []
     for step, observed_id in zip(canary.steps or (), canary.observed_ids(), strict=True):
         if failed is None:
-            obs = backend.probe(step_canary(canary, step, outputs))
+            obs = vet.probe(backend, step_canary(canary, step, outputs))
             obs.request_hash = backend.request_hash(step_canary(canary, step))
         else:
             obs = Observation(backend.name, observed_id, canary.suite, utcnow(), {}, "", attempts=0)

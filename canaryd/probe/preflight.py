@@ -18,6 +18,7 @@ from datetime import UTC, datetime
 from importlib.metadata import version as dist_version
 from pathlib import Path
 
+from canaryd import files
 from canaryd.config import Config
 from canaryd.errors import EXIT_DRIFT, EXIT_OK, EXIT_UNAVAILABLE, InputError
 from canaryd.judge.compare import Verdict
@@ -27,7 +28,7 @@ from canaryd.report.pin import Pin, PinnedBackend, PinReport, check_pin
 from canaryd.report.record import build_record, summarize, to_markdown
 from canaryd.report.tables import result_dict
 from canaryd.stack import merge_stacks
-from canaryd.store import Store
+from canaryd.store import open_store
 
 
 def gate(results: Sequence[Result]) -> int:
@@ -141,7 +142,7 @@ def take_pin(config: Config, backend: str | None = None) -> PinTaken:
             for b, s in stacks_now(checked.results).items()
         },
     )
-    store = Store(config.storage_url, instance=config.daemon.instance)
+    store = open_store(config)
     try:
         store.keep([r.observation_id for r in checked.results], "pin")
     finally:
@@ -212,19 +213,21 @@ def run_preflight(
     argv = tuple(command)
     if checked.exit_code != EXIT_OK:
         return PreflightReport(argv, checked, out_dir)
-    store = Store(config.storage_url, instance=config.daemon.instance)
+    store = open_store(config)
     try:
         store.keep([r.observation_id for r in checked.results], "preflight")
     finally:
         store.close()
     started = _now()
     try:
-        returncode = subprocess.run(list(argv), check=False).returncode
+        # the command creates its files as it would without canaryd (whose own umask is 0077: files.py)
+        umask = files.original_umask if files.original_umask is not None else -1
+        returncode = subprocess.run(list(argv), check=False, umask=umask).returncode
     except OSError as e:
         return PreflightReport(argv, checked, out_dir, start_error=str(e.strerror or e))
     finished = _now()
     after = run_pass(config, only=backend) if post_check else []
-    store = Store(config.storage_url, instance=config.daemon.instance)
+    store = open_store(config)
     try:
         store.keep([r.observation_id for r in after], "preflight")
         runs = sorted({r.run_id for r in checked.results})
@@ -242,8 +245,6 @@ def run_preflight(
     finally:
         store.close()
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "canaryd-record.json").write_text(
-        json.dumps(rec, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
-    )
-    (out_dir / "canaryd-record.md").write_text(to_markdown(rec), encoding="utf-8")
+    files.write_private(out_dir / "canaryd-record.json", json.dumps(rec, indent=2, ensure_ascii=False) + "\n")
+    files.write_private(out_dir / "canaryd-record.md", to_markdown(rec))
     return PreflightReport(argv, checked, out_dir, returncode, record=rec)

@@ -15,12 +15,13 @@ import structlog
 from canaryd.backends import Backend, BackendUnavailable, make_backend
 from canaryd.canaries import Canary, Suite, load_suites
 from canaryd.config import Config
-from canaryd.judge.compare import Comparison, Decision, decide
+from canaryd.judge.compare import Comparison, Decision, Verdict, decide
 from canaryd.judge.stats import DetectorState
-from canaryd.observation import Observation, utcnow
-from canaryd.probe.shapes import shape_of
+from canaryd.observation import ErrorKind, Observation, storable, utcnow
+from canaryd.probe import vet
+from canaryd.probe.shapes import Judged, shape_of
 from canaryd.stack import merge_stacks, stack_hash
-from canaryd.store import Store
+from canaryd.store import Store, open_store
 
 log = structlog.get_logger("canaryd.probe")
 
@@ -64,7 +65,7 @@ def probe_backend(backend: Backend, canaries: Sequence[Canary], store: Store, co
     run_id = store.start_run(backend.name)
     bound = log.bind(backend=backend.name, run_id=run_id)
     try:
-        stack = backend.snapshot()
+        stack = vet.storable_fields(backend.snapshot())
         failure = None
     except BackendUnavailable as e:
         stack, failure = {}, e
@@ -72,13 +73,12 @@ def probe_backend(backend: Backend, canaries: Sequence[Canary], store: Store, co
 
     def one(canary: Canary) -> list[Observation]:
         if failure is not None:  # don't hammer a backend that is down; record why each canary is missing
-            missing = [
-                Observation(backend.name, i, canary.suite, utcnow(), {}, "") for i in canary.observed_ids()
-            ]
-            for obs in missing:
-                obs.error_kind, obs.error = failure.kind, str(failure)
-            return missing
-        return shape_of(canary).send(backend, canary)
+            return _missing(backend.name, canary, failure.kind, str(failure))
+        try:
+            return shape_of(canary).send(backend, canary)
+        except Exception as e:  # a bug must cost this canary's observations, not the backend's pass
+            bound.exception("send_failed", canary=canary.id)
+            return _missing(backend.name, canary, ErrorKind.INTERNAL, f"sending failed: {_describe(e)}")
 
     with ThreadPoolExecutor(
         max_workers=backend.concurrency, thread_name_prefix=f"probe-{backend.name}"
@@ -90,18 +90,27 @@ def probe_backend(backend: Backend, canaries: Sequence[Canary], store: Store, co
         for obs in observations:
             if obs.ok:
                 obs.stack = {**stack, **obs.stack}
-        judged.append(shape_of(canary).judge(store, config.compare, canary, observations))
+        try:
+            judged.append(shape_of(canary).judge(store, config.compare, canary, observations))
+        except Exception as e:  # a judging bug: this canary's observations become errors, the pass goes on
+            bound.exception("judge_failed", canary=canary.id)
+            judged.append([_failed(obs, f"judging failed: {_describe(e)}") for obs in observations])
     flat = [j for per_canary in judged for j in per_canary]
 
     # The cycle as a whole: combine the calibrated evidence and carry the backend's detector forward.
     def fold(stored: dict) -> tuple[dict | None, Decision]:
-        d = decide(
-            [j.observation.canary_id for j in flat],
-            [j.comparison for j in flat],
-            DetectorState.from_dict(stored),
-            arl=config.compare.arl,
-            min_out=config.compare.min_out,
-        )
+        state = DetectorState.from_dict(stored)
+        try:
+            d = decide(
+                [j.observation.canary_id for j in flat],
+                [j.comparison for j in flat],
+                state,
+                arl=config.compare.arl,
+                min_out=config.compare.min_out,
+            )
+        except Exception:  # the verdicts stand unsettled and the detector as stored
+            bound.exception("decide_failed")
+            return None, Decision([j.comparison for j in flat], state, None)
         return (d.state.as_dict() if d.cycle_e is not None else None), d
 
     decision = store.fold_detector(backend.name, fold)
@@ -118,11 +127,20 @@ def probe_backend(backend: Backend, canaries: Sequence[Canary], store: Store, co
     final = []
     for canary, per_canary in zip(canaries, judged, strict=True):
         steps = [replace(j, comparison=next(settled)) for j in per_canary]
-        final.extend(shape_of(canary).settle(canary, steps))
+        try:
+            final.extend(shape_of(canary).settle(canary, steps))
+        except Exception:  # the steps keep the verdicts the cycle's decision gave them
+            bound.exception("settle_failed", canary=canary.id)
+            final.extend(steps)
     results = []
     for j in final:
+        try:
+            obs_id = store.add_observation(run_id, j.observation, j.comparison, j.baseline_id)
+        except Exception as e:  # e.g. a value the database refuses: record that, not the value
+            bound.exception("store_failed", canary=j.observation.canary_id)
+            j = _failed(_stripped(j.observation), f"storing failed: {_describe(e)}")
+            obs_id = store.add_observation(run_id, j.observation, j.comparison, None)
         obs, comparison = j.observation, j.comparison
-        obs_id = store.add_observation(run_id, obs, comparison, j.baseline_id)
         bound.info(
             "observation",
             canary=obs.canary_id,
@@ -141,6 +159,38 @@ def probe_backend(backend: Backend, canaries: Sequence[Canary], store: Store, co
     return BackendRun(backend.name, backend.kind, run_id, results, run_stack, failure, decision.state)
 
 
+def _describe(e: BaseException) -> str:
+    return storable(f"{e.__class__.__name__}: {str(e)[:300]}")
+
+
+def _missing(backend: str, canary: Canary, kind: ErrorKind, error: str) -> list[Observation]:
+    """An error observation for each id the canary is observed under (nothing was sent, or it was lost)."""
+    missing = [Observation(backend, i, canary.suite, utcnow(), {}, "") for i in canary.observed_ids()]
+    for obs in missing:
+        obs.error_kind, obs.error = kind, error
+    return missing
+
+
+def _failed(obs: Observation, error: str) -> Judged:
+    """``obs`` as an ``internal`` error (canaryd failed at it, not the backend), judged as one."""
+    obs.error_kind, obs.error, obs.tokens = ErrorKind.INTERNAL, error, []
+    return Judged(obs, Comparison(Verdict.ERROR, None, reasons=(f"{obs.error_kind}: {error}",)), None)
+
+
+def _stripped(obs: Observation) -> Observation:
+    """What of ``obs`` is safe to store whatever went wrong: its identity, request and timing."""
+    return Observation(
+        obs.backend,
+        obs.canary_id,
+        obs.suite,
+        obs.started_at,
+        obs.request,
+        obs.request_hash,
+        latency_s=obs.latency_s,
+        attempts=obs.attempts,
+    )
+
+
 def probe_all(
     backends: Sequence[Backend], work: dict[str, list[Canary]], store: Store, config: Config
 ) -> list[BackendRun]:
@@ -154,9 +204,9 @@ def run_pass(config: Config, only: str | None = None) -> list[Result]:
     """Load the suites, probe every (or one) backend once, store and judge everything."""
     if only is not None:
         config.backend(only)  # an unknown name is an InputError
-    work = plan(config, load_suites([s.path for s in config.suites]), only=only)
+    work = plan(config, load_suites([s.path for s in config.suites], config.limits.suite_bytes), only=only)
     backends = [make_backend(config.backend(name)) for name in work]
-    store = Store(config.storage_url, instance=config.daemon.instance)
+    store = open_store(config)
     try:
         return [r for run in probe_all(backends, work, store, config) for r in run.results]
     finally:

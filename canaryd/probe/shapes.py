@@ -17,11 +17,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from canaryd.canaries import Canary, Expect
+from canaryd.canaries import Canary, CheckTimeout, Expect
 from canaryd.judge.compare import Comparison, Verdict, compare
 from canaryd.judge.sampled import compare_samples
-from canaryd.judge.stats import NoiseModel
-from canaryd.observation import Observation
+from canaryd.judge.stats import CalibrationError, NoiseModel
+from canaryd.observation import ErrorKind, Observation
+from canaryd.probe import vet
 from canaryd.probe.chain import mark_divergence, run_chain
 
 if TYPE_CHECKING:
@@ -43,17 +44,38 @@ class Judged:
     baseline_id: int | None
 
 
+def _correct(expect: Expect | None, obs: Observation) -> bool | None:
+    """Whether ``obs`` is the known answer (None: no expectation, or a failed probe). `CheckTimeout`."""
+    return expect.check(obs.text or "") if expect and obs.ok else None
+
+
+def _timed_out(obs: Observation, e: CheckTimeout) -> None:
+    """The check ran out of time: the observation becomes a ``check_timeout`` error (verdict ``error``)."""
+    obs.error_kind, obs.error = ErrorKind.CHECK_TIMEOUT, f"canary {obs.canary_id!r}: {e}"
+
+
 def _compare(store: Store, settings: CompareConfig, obs: Observation, expect: Expect | None) -> Judged:
+    try:
+        correct = _correct(expect, obs)
+    except CheckTimeout as e:
+        correct = None
+        _timed_out(obs, e)
     base = store.baseline(obs.backend, obs.canary_id)
     doc = store.calibration(obs.backend, obs.canary_id)
+    try:
+        noise, refused = (NoiseModel.from_dict(doc) if doc else None), None
+    except (CalibrationError, KeyError, TypeError, ValueError) as e:  # written by an older version
+        noise, refused = None, f"stored calibration refused ({e}): run `baseline calibrate`"
     comparison = compare(
         base.observation if base else None,
         obs,
-        correct=expect.check(obs.text or "") if expect and obs.ok else None,
+        correct=correct,
         baseline_correct=base.correct if base else None,
         logprob_tolerance=settings.logprob_tolerance,
-        noise=NoiseModel.from_dict(doc) if doc else None,
+        noise=noise,
     )
+    if refused is not None and obs.ok:
+        comparison = replace(comparison, reasons=(*comparison.reasons, refused))
     return Judged(obs, comparison, base.observation_id if base else None)
 
 
@@ -66,7 +88,7 @@ class Plain:
 
     def send(self, backend: Backend, canary: Canary) -> list[Observation]:
         """The requests of one cycle, as observations in sending order."""
-        return [backend.probe(canary)]
+        return [vet.probe(backend, canary)]
 
     def judge(
         self, store: Store, settings: CompareConfig, canary: Canary, observations: list[Observation]
@@ -128,9 +150,11 @@ class Sampled(Plain):
         """The n samples, one after another; sample i carries seed + i when the canary is seeded."""
         d = canary.decoding
         if d.seed is None:
-            return [backend.probe(canary) for _ in range(d.samples)]
+            return [vet.probe(backend, canary) for _ in range(d.samples)]
         return [
-            backend.probe(canary.model_copy(update={"decoding": d.model_copy(update={"seed": d.seed + i})}))
+            vet.probe(
+                backend, canary.model_copy(update={"decoding": d.model_copy(update={"seed": d.seed + i})})
+            )
             for i in range(d.samples)
         ]
 
@@ -145,16 +169,22 @@ class Sampled(Plain):
         """
         base = store.baseline(observations[0].backend, canary.id)
         baseline_id = base.observation_id if base else None
-        verdict = compare_samples(
-            store.run_set(baseline_id) if baseline_id is not None else [],
-            observations,
-            expect=canary.expect,
-            alpha=settings.alpha,
-        )
+        try:
+            correct = [_correct(canary.expect, obs) for obs in observations]
+            verdict = compare_samples(
+                store.run_set(baseline_id) if baseline_id is not None else [],
+                observations,
+                expect=canary.expect,
+                alpha=settings.alpha,
+            )
+        except CheckTimeout as e:  # the set cannot be judged: every sample it would have judged is an error
+            correct = [None] * len(observations)
+            for obs in observations:
+                if obs.ok:
+                    _timed_out(obs, e)
         out = []
-        for obs in observations:
+        for obs, ok in zip(observations, correct, strict=True):
             if obs.ok:
-                ok = canary.expect.check(obs.text or "") if canary.expect else None
                 out.append(Judged(obs, replace(verdict, correct=ok), baseline_id))
             else:
                 error = Comparison(Verdict.ERROR, None, reasons=(f"{obs.error_kind}: {obs.error}",))

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 
 from canaryd.errors import EXIT_UNAVAILABLE
+from canaryd.files import write_private
 from canaryd.report.tables import (
     calibration_table,
     census_table,
@@ -76,7 +77,7 @@ def show_pin(taken: PinTaken, out_file: Path | None) -> None:
     if out_file is None:
         sys.stdout.write(to_json(pinned))
         return
-    out_file.write_text(to_json(pinned), encoding="utf-8")
+    write_private(out_file, to_json(pinned))
     for name, b in pinned.backends.items():
         print(f"{out_file}: pinned {name} ({b.kind}): {len(b.fields)} fields, run {b.run_id}")
 

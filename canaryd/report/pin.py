@@ -15,9 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from canaryd.errors import InputError
+from canaryd.files import read_regular
 from canaryd.stack import diff, stack_hash
 
 FORMAT = "canaryd-pin/1"
+PIN_BYTES = 16 << 20  # a pin file larger than this is refused unread
 # Fields that describe one request or one instant rather than the stack. Backends keep such values out
 # of the stack already; this is the pin's own guard, since a pinned volatile field would always "move".
 VOLATILE = ("header.date", "header.x-request-id", "header.openai-processing-ms", "header.x-ratelimit-")
@@ -62,7 +64,7 @@ def to_json(pin: Pin) -> str:
 def load_pin(path: Path) -> Pin:
     """Read a pin file; anything unusable is an `InputError` naming the file and the field."""
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        doc = json.loads(read_regular(path, "pin file", limit=PIN_BYTES))
     except FileNotFoundError:
         raise InputError(f"{path}: pin file not found (write one with `canaryd pin --out {path}`)") from None
     except OSError as e:

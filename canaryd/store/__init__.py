@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import structlog
 
-from canaryd.store.engine import label, make_engine, migrate
+from canaryd.errors import InputError
+from canaryd.store.engine import StorageUnusable, label, make_engine, migrate
 from canaryd.store.queries import Queries
 from canaryd.store.records import (
     Accepted,
@@ -44,7 +48,12 @@ __all__ = [
     "StackSeen",
     "Store",
     "StoredObservation",
+    "naming_storage",
+    "open_store",
 ]
+
+if TYPE_CHECKING:
+    from canaryd.config import Config
 
 log = structlog.get_logger("canaryd.store")
 
@@ -76,3 +85,32 @@ class Store(Writes, Queries):
 
     def close(self) -> None:
         self.engine.dispose()
+
+
+@contextmanager
+def naming_storage(config: Config) -> Iterator[None]:
+    """A database the config points at that cannot be used becomes an `InputError` naming its key:
+    ``state_dir`` (the default SQLite file) or ``storage.url``."""
+    try:
+        yield
+    except StorageUnusable as e:
+        if config.storage.url is None:
+            what = "" if e.path in (None, config.state_dir) else f" {e.path}"
+            where = f"{config.path}: state_dir {config.state_dir}"
+            raise InputError(f"{where}: cannot create{what}: {e.why}") from None
+        raise InputError(f"{config.path}: storage.url {_masked(config.storage.url)}: unusable: {e}") from None
+
+
+def open_store(config: Config) -> Store:
+    """The config's history database, open and migrated (a config problem is an `InputError`, exit 2)."""
+    with naming_storage(config):
+        return Store(config.storage_url, instance=config.daemon.instance)
+
+
+def _masked(url: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:
+        return url

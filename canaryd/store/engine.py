@@ -15,10 +15,11 @@ from pathlib import Path
 
 from sqlalchemy import event, inspect
 from sqlalchemy.engine import Connection, Engine, make_url
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlmodel import Session, create_engine
 
 from canaryd.errors import InputError
+from canaryd.files import DIR_MODE, FILE_MODE
 
 MIGRATIONS = Path(__file__).with_name("migrations")
 SCHEMA_REVISION = "0003"  # the head revision (tests/unit/test_migrations.py checks it against the scripts)
@@ -32,6 +33,16 @@ class SchemaMismatch(SQLAlchemyError):
     """The database predates migrations, or a newer canaryd migrated it (exit 4, one line)."""
 
 
+class StorageUnusable(InputError):
+    """The database cannot be used as configured (exit 2, like any config problem): its directory or file
+    cannot be created (``path``), or the URL names no database canaryd can open. `canaryd.store.open_store`
+    names the config key (``state_dir`` or ``storage.url``)."""
+
+    def __init__(self, why: str, path: Path | None = None) -> None:
+        super().__init__(f"cannot create {path}: {why}" if path is not None else why)
+        self.why, self.path = why, path
+
+
 def _sqlite_pragmas(dbapi_conn, _record) -> None:
     cur = dbapi_conn.cursor()
     cur.execute("PRAGMA journal_mode=WAL")  # readers never block the prober
@@ -41,13 +52,23 @@ def _sqlite_pragmas(dbapi_conn, _record) -> None:
 
 
 def make_engine(url: str) -> Engine:
-    """An engine for a history database, without touching its schema (``migrate`` does that)."""
-    u = make_url(url)
+    """An engine for a history database, without touching its schema (``migrate`` does that).
+
+    A SQLite file's directory is created private (0700); a URL canaryd cannot use is `StorageUnusable`.
+    """
+    try:
+        u = make_url(url)
+    except ArgumentError as e:
+        raise StorageUnusable(str(e)) from None
     if u.drivername == "postgresql":  # psycopg 3 (the `postgres` extra), not SQLAlchemy's psycopg2 default
         u = u.set(drivername="postgresql+psycopg")
     if u.get_backend_name() == "sqlite":
-        if u.database and u.database != ":memory:":
-            Path(u.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        if u.database and u.database != ":memory:" and not u.database.startswith("file:"):
+            directory = Path(u.database).expanduser().parent
+            try:
+                directory.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+            except OSError as e:
+                raise StorageUnusable(e.strerror or str(e), directory) from None
         # Wait up to 30 s for another writer's lock (Python's default is 5 s); `?timeout=N` in the URL wins.
         engine = create_engine(u, connect_args={} if "timeout" in u.query else {"timeout": 30})
         event.listen(engine, "connect", _sqlite_pragmas)
@@ -60,7 +81,10 @@ def make_engine(url: str) -> Engine:
                 f"storage url {u.render_as_string()}: PostgreSQL needs psycopg: "
                 "pip install 'canaryd[postgres]'"
             ) from None
-    return create_engine(u, pool_pre_ping=True)
+    try:
+        return create_engine(u, pool_pre_ping=True)
+    except (ArgumentError, ImportError) as e:  # an unknown scheme, or a dialect without its driver
+        raise StorageUnusable(f"{e.__class__.__name__}: {e}") from None
 
 
 def label(engine: Engine) -> str:
@@ -172,6 +196,12 @@ def migrate(engine: Engine) -> tuple[str | None, str]:
     path = _new_sqlite_file(engine)
     if path is not None:
         tmp = path.with_name(f".{path.name}.{os.getpid()}.new")
+        try:  # created private before SQLite opens it; its -wal and -shm files take the same mode
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+            os.fchmod(fd, FILE_MODE)
+            os.close(fd)
+        except OSError as e:
+            raise StorageUnusable(e.strerror or str(e), path) from None
         fresh = make_engine(engine.url.set(database=str(tmp)).render_as_string(hide_password=False))
         try:
             _migrate(fresh)

@@ -166,7 +166,7 @@ class Writes(Connected):
             s.add(row)
             s.flush()
             if verdict == "baseline":
-                self._first_baseline(s, obs, row.id)  # type: ignore[arg-type]
+                self._first_baseline(s, obs, row.id, baseline_id)  # type: ignore[arg-type]
             s.commit()
             return row.id  # type: ignore[return-value]
 
@@ -176,12 +176,15 @@ class Writes(Connected):
 
     # -- baselines and keeps --------------------------------------------------------------------------
     @staticmethod
-    def _first_baseline(s: Session, obs: Observation, observation_id: int) -> None:
+    def _first_baseline(
+        s: Session, obs: Observation, observation_id: int, judged_against: int | None
+    ) -> None:
         """Make this observation the baseline, unless another instance just made one for the same request.
 
-        A ``baseline`` verdict means there was no baseline, or it was for an older request of the canary.
-        Two instances of a fleet can judge so at the same moment: the first to commit wins (the baseline is
-        the *first* observation), the other's observation stays an ordinary one.
+        A ``baseline`` verdict means there was no baseline, or the judge refused the one it was shown
+        (``judged_against``): it was for an older request of the canary, or unusable. Two instances of a
+        fleet can judge so at the same moment: the first to commit wins (the baseline is the *first*
+        observation), the other's observation stays an ordinary one.
         """
         key = {"backend": obs.backend, "canary_id": obs.canary_id}
         if _insert_ignore(
@@ -203,7 +206,9 @@ class Writes(Connected):
             .join(EventRow, col(EventRow.outcome_id) == OutcomeRow.id)
             .where(EventRow.id == current)
         ).first()
-        if request_hash != obs.request_hash:  # a baseline for an older request: replace it
+        # a baseline for an older request, or the very one the judge refused (not one a concurrent writer
+        # just put in its place): replace it
+        if request_hash != obs.request_hash or (judged_against is not None and current == judged_against):
             Writes._set_baseline(s, obs.backend, obs.canary_id, observation_id, "first observation")
 
     @staticmethod

@@ -164,7 +164,6 @@ def _sandboxed_workload() -> None:
     import threading
 
     import httpx2
-    import openai
     from apscheduler.schedulers.background import BackgroundScheduler
     from prometheus_client import CollectorRegistry, Gauge, ProcessCollector, start_http_server
 
@@ -203,7 +202,10 @@ def _sandboxed_workload() -> None:
             receiver.bind(f"{d}/notify")
             os.environ["NOTIFY_SOCKET"] = f"{d}/notify"
             assert sdnotify.notify("READY=1") and receiver.recv(64) == b"READY=1"
-    openai.OpenAI(api_key="unused", base_url="http://127.0.0.1:1/v1")
+    from canaryd.backends import make_backend
+    from canaryd.backends.openai_compat import Settings
+
+    make_backend(Settings(name="s", model="m", base_url="http://127.0.0.1:1/v1")).close()  # TLS context
     print("SANDBOX-OK")
 
 

@@ -212,12 +212,15 @@ class Scripted:
                 if isinstance(answer, int):
                     self._send(answer, {"error": {"message": "scripted failure"}})
                     return
+                # one token per character, as many as max_tokens allows (the last one takes the rest)
+                n = min(len(answer), body.get("max_tokens") or len(answer))
+                pieces = [answer[len(answer) * i // n : len(answer) * (i + 1) // n] for i in range(n)]
                 lps = [
-                    -0.25 + scripted.shift.get(marker, 0.0) + rng.gauss(0, scripted.jitter) for _ in answer
+                    -0.25 + scripted.shift.get(marker, 0.0) + rng.gauss(0, scripted.jitter) for _ in pieces
                 ]
                 toks = [
                     {"token": ch, "logprob": lp, "bytes": list(ch.encode()), "top_logprobs": []}
-                    for ch, lp in zip(answer, lps, strict=True)
+                    for ch, lp in zip(pieces, lps, strict=True)
                 ]
                 choice: dict = {"index": 0, "finish_reason": "stop"}
                 if "messages" in body:
@@ -229,12 +232,12 @@ class Scripted:
                     choice |= {
                         "text": answer,
                         "logprobs": {
-                            "tokens": list(answer),
+                            "tokens": pieces,
                             "token_logprobs": lps,
-                            "top_logprobs": [{}] * len(answer),
+                            "top_logprobs": [{}] * len(pieces),
                         },
                     }
-                usage = {"prompt_tokens": len(text), "completion_tokens": len(answer)}
+                usage = {"prompt_tokens": len(text), "completion_tokens": len(pieces)}
                 self._send(
                     200, {"model": "m", "system_fingerprint": "fp", "choices": [choice], "usage": usage}
                 )

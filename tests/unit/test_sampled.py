@@ -49,10 +49,11 @@ def sample(text: str, logprob: float, request_hash: str = "h", stack: dict | Non
 
 def draws(rng: random.Random, n: int, probs: dict[str, float], shift: float = 0.0) -> list[Observation]:
     """n draws from a categorical answer distribution; each answer's logprob is its log-probability plus
-    per-sample noise (as a sampled engine's chosen-token logprob varies with the rest of the text)."""
+    per-sample noise (as a sampled engine's chosen-token logprob varies with the rest of the text), at most
+    0 like every logprob (a positive one is an invalid answer, refused before any comparison)."""
     answers, weights = zip(*probs.items(), strict=True)
     picked = rng.choices(answers, weights, k=n)
-    return [sample(a, math.log(probs[a]) + shift + rng.gauss(0, 0.3)) for a in picked]
+    return [sample(a, min(0.0, math.log(probs[a]) + shift + rng.gauss(0, 0.3))) for a in picked]
 
 
 # -- intervals ------------------------------------------------------------------------------------------
