@@ -4,8 +4,7 @@ Exit codes (also in ``canaryd --help`` and the README):
 
 0  every canary identical to its baseline (or a new baseline was recorded)
 1  drift: a regression, answer drift, logprob drift or stack change
-2  bad config, canary file or command-line usage (also: the metrics address in use, a state directory or
-   storage URL that cannot be used: problems a restart would not fix)
+2  bad config, canary file or usage (also a metrics address in use, an unusable state_dir or storage.url)
 3  a backend was unreachable or failing, so it could not be judged
 4  internal or storage error (a bug or a broken database: see the log)
 
@@ -159,9 +158,7 @@ def census_cmd(
     report = take_census(
         _config(ctx), backend=backend, canary_ids=canary, requests=requests, sizes=sizes, strict=strict
     )
-    if output is not None:
-        write_private(output, json.dumps(report.as_dict(), indent=2, ensure_ascii=False) + "\n")
-    show_census(report, as_json, out)
+    show_census(report, as_json, out, output)
     raise typer.Exit(report.exit_code)
 
 
@@ -283,13 +280,10 @@ def export(
     out_file: Annotated[Path | None, typer.Option("--out", help="Write here (default: stdout).")] = None,
 ) -> None:
     """A run's raw observations as JSON lines: every field, tokens, logprobs, top-k and the stack."""
-    from canaryd.report.record import export_line
+    from canaryd.report.record import export_lines
 
     with _store(_config(ctx)) as store:
-        pairs = store.load(store.ids_of_runs(run))
-    if not pairs:
-        raise InputError(f"export: no observations in run(s) {', '.join(map(str, run))}")
-    _write("".join(json.dumps(export_line(r, o), ensure_ascii=False) + "\n" for r, o in pairs), out_file)
+        _write(export_lines(store, run), out_file)
 
 
 @app.command()
@@ -300,16 +294,11 @@ def run(ctx: typer.Context) -> None:
     # First of all (again, if `python -m canaryd run` already did): a SIGTERM during start-up (the store's
     # migration, suites, backends) is remembered and stops the daemon cleanly, right after start-up.
     stop, _ = signals.install()
-    from canaryd.daemon.service import Daemon
+    from canaryd.daemon.service import run_daemon
 
-    path = find_config(ctx.obj.config_path)
     if ctx.obj.log_level is None:
         logsetup.configure("info")  # a daemon logs its observations unless told otherwise
-    config = load_config(path)
-    if stop.is_set():
-        structlog.get_logger("canaryd.daemon").info("stopped_before_start")
-        return
-    Daemon(path, config).serve_forever()
+    run_daemon(find_config(ctx.obj.config_path), stop)
 
 
 @app.command()
@@ -447,12 +436,9 @@ app.add_typer(db_app, name="db")
 def db_upgrade(ctx: typer.Context) -> None:
     """Migrate the database to this canaryd's schema (every command and the daemon also do it at start)."""
     from canaryd.report.console import show_migration
-    from canaryd.store import naming_storage
-    from canaryd.store.engine import upgrade
+    from canaryd.store import upgrade_database
 
-    cfg = _config(ctx)
-    with naming_storage(cfg):
-        show_migration(*upgrade(cfg.storage_url))
+    show_migration(*upgrade_database(_config(ctx)))
 
 
 @db_app.command("current")
@@ -462,12 +448,10 @@ def db_current(
 ) -> None:
     """Print the database's schema revision (changes nothing)."""
     from canaryd.report.console import show_revision
-    from canaryd.store import naming_storage
-    from canaryd.store.engine import SCHEMA_REVISION, known_revisions, revision
+    from canaryd.store import database_revision
+    from canaryd.store.engine import SCHEMA_REVISION, known_revisions
 
-    cfg = _config(ctx)
-    with naming_storage(cfg):
-        rev = revision(cfg.storage_url)
+    rev = database_revision(_config(ctx))
     show_revision(rev, SCHEMA_REVISION, known_revisions())
     if check and rev != SCHEMA_REVISION:
         raise typer.Exit(EXIT_DRIFT)

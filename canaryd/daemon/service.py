@@ -110,6 +110,15 @@ class Generation:
             b.close()
 
 
+def run_daemon(path: Path, stop: threading.Event) -> None:
+    """`canaryd run`: load the config and serve until stopped (at once, if a stop came during start-up)."""
+    config = load_config(path)
+    if stop.is_set():
+        log.info("stopped_before_start")
+        return
+    Daemon(path, config).serve_forever()
+
+
 def trigger_for(s: ScheduleConfig) -> IntervalTrigger | CronTrigger:
     if s.cron is not None:  # from_crontab() takes no jitter, so spell the five fields out
         minute, hour, day, month, day_of_week = s.cron.split()

@@ -102,8 +102,11 @@ def show_preflight(report: PreflightReport) -> None:
     _err(f"canaryd: preflight: record in {report.record_path} (and .json)")
 
 
-def show_census(report: CensusReport, as_json: bool, console: Console) -> None:
-    """What could not be measured on stderr; then the census table and a verdict per canary, or JSON."""
+def show_census(report: CensusReport, as_json: bool, console: Console, output: Path | None = None) -> None:
+    """What could not be measured on stderr; then the census table and a verdict per canary, or JSON (and
+    the JSON in ``output`` too, when given)."""
+    if output is not None:
+        write_private(output, json.dumps(report.as_dict(), indent=2, ensure_ascii=False) + "\n")
     for name, why in report.unavailable.items():
         _err(f"canaryd: census: backend {name!r} unreachable: {why}")
     for c in report.incomplete:

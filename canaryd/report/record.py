@@ -8,6 +8,7 @@ it can be regenerated later for any stored run.
 
 from __future__ import annotations
 
+import json
 import shlex
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -430,6 +431,14 @@ def to_markdown(rec: dict) -> str:
             )
     lines += ["", "## 5. Stored payloads", "", *(f"- `{h}`" for h in st["payload_hashes"])]
     return "\n".join(lines) + "\n"
+
+
+def export_lines(store: Store, run_ids: Sequence[int]) -> str:
+    """`canaryd export`: the runs' observations as JSON lines, in id order."""
+    pairs = store.load(store.ids_of_runs(run_ids))
+    if not pairs:
+        raise InputError(f"export: no observations in run(s) {', '.join(map(str, run_ids))}")
+    return "".join(json.dumps(export_line(r, o), ensure_ascii=False) + "\n" for r, o in pairs)
 
 
 def export_line(row: StoredObservation, obs: Observation) -> dict:

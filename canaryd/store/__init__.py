@@ -107,6 +107,22 @@ def open_store(config: Config) -> Store:
         return Store(config.storage_url, instance=config.daemon.instance)
 
 
+def upgrade_database(config: Config) -> tuple[str, str | None, str]:
+    """`canaryd db upgrade`: (the database without credentials, revision before, revision after)."""
+    from canaryd.store.engine import upgrade
+
+    with naming_storage(config):
+        return upgrade(config.storage_url)
+
+
+def database_revision(config: Config) -> str | None:
+    """`canaryd db current`: the database's revision (None: empty), changing nothing."""
+    from canaryd.store.engine import revision
+
+    with naming_storage(config):
+        return revision(config.storage_url)
+
+
 def _masked(url: str) -> str:
     from sqlalchemy.engine import make_url
 
