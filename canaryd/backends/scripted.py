@@ -107,6 +107,8 @@ class Prober:
             self.cycle += 1
             if f is not None:
                 f.write_text(str(self.cycle))
+            # attempts are counted per cycle: a drill daemon running for days keeps only this one's
+            self._attempts = {k: n for k, n in self._attempts.items() if k[0] >= self.cycle}
         fields = {"backend.kind": self.kind, "request.model": self.cfg.model, "scripted.version": VERSION}
         fields.update(self.cfg.stack)
         for change in self._active():
