@@ -56,10 +56,10 @@ table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ddd;padding
 th{background:#f4f4f4}td.n{text-align:right;font-variant-numeric:tabular-nums}
 code,.tokens{font-family:ui-monospace,monospace}.muted{color:#777}
 .step{margin:1em 0;padding:.5em;border:1px solid #eee;border-radius:4px}
-.tokens{display:flex;flex-wrap:wrap;gap:1px;margin:.2em 0;align-items:center}
+.tokens{display:flex;flex-wrap:wrap;margin:.2em 0;align-items:center}
 .tokens .who{width:6em;color:#555}
-.tok{white-space:pre;padding:1px 2px;border-radius:2px;border:1px solid transparent}
-.tok.after{color:#999}.tok.div1{border-color:#000;outline:2px solid #e33}
+.tok{white-space:pre;padding:1px 0;border:1px solid transparent}
+.tok.after{color:#999}.tok.div1{color:#000;border-color:#000;outline:2px solid #e33}
 tr.cause td:first-child{font-weight:600}
 svg{background:#fafafa;border:1px solid #eee}
 #tip{position:fixed;display:none;background:#222;color:#fff;padding:2px 6px;border-radius:3px;
