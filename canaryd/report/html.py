@@ -96,6 +96,7 @@ class LoadedRun:
 
 
 def load_run(store: Store, run_id: int) -> LoadedRun:
+    """One stored run; an unknown id is an InputError (exit 2), as in ``canaryd diff``."""
     info = store.run(run_id)
     if info is None:
         raise InputError(f"report: no run {run_id} in {store.url}")
@@ -222,13 +223,10 @@ def _token_row(
         delta = t.logprob - other[i].logprob if aligned and i < len(other) else None
         cls = "tok" + (" div1" if i == first else "") + ("" if aligned else " after")
         tip = f"#{i} {t.token!r} logprob {t.logprob:.4f}"
-        tip += (
-            f" Δ {delta:+.4g}"
-            if delta is not None
-            else " (after the first divergence)"
-            if not aligned
-            else ""
-        )
+        if delta is not None:
+            tip += f" Δ {delta:+.4g}"
+        elif not aligned:
+            tip += " (after the first divergence)"
         mark = ' data-first-divergence="1"' if i == first else ""
         spans.append(
             f'<span class="{cls}" data-i="{i}" data-dlp="{"" if delta is None else f"{delta:.6g}"}"{mark} '
@@ -395,6 +393,8 @@ def render(
     if not order:
         raise InputError("report: no runs given")
     loaded = {rid: load_run(store, rid) for rid in order}
+    if not any(r.observations for r in loaded.values()):
+        raise InputError(f"report: no observations in run(s) {', '.join(map(str, order))}")
     pairs = list(pairs) if pairs is not None else list(pairwise(order))
     if labels and len(labels) != len(pairs):
         raise InputError(f"--label: {len(labels)} label(s) for {len(pairs)} pair(s) of runs")

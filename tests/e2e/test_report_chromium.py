@@ -82,7 +82,7 @@ def test_report_in_chromium(tmp_path: Path) -> None:
     title = dom.find("title")[0][2]  # the head's (the charts have their own)
     assert title.startswith("canaryd report") and "pwned" not in shown.stdout.split("<body")[0]
     assert sum(1 for t, _, _ in dom.elements if t == "script") == 1
-    assert PAYLOAD not in shown.stdout  # serialised as text (&lt;script&gt;...), never as markup
+    assert PAYLOAD not in shown.stdout and not dom.find("img")  # stored markup stays text
 
     for pair in doc["pairs"]:
         for metric, key in (("answers", "final_answers"), ("steps", "steps"), ("questions", "questions")):

@@ -19,6 +19,7 @@ from canaryd.report.rundiff import diff_pairs
 from tests.unit.scripted_lab import PLAIN, ScriptedLab, change, scripted
 
 PAYLOAD = "<script>document.title='pwned'</script><b>x</b>"
+HOSTILE_STACK = "<img src=x onerror=\"document.title='pwned'\">"
 GREET = """
 [suite]
 name = "greet"
@@ -31,12 +32,12 @@ expect = { regex = "^hello", answer = "hello there" }
 
 
 def three_runs(root: Path) -> tuple[ScriptedLab, list[int]]:
-    """Three passes: an answer and the engine's dtype (with a derived cache size) move at run 2, a hostile
-    answer and a second fingerprint appear at run 3."""
+    """Three passes: an answer and the engine's dtype (with a derived cache size) move at run 2; a hostile
+    answer, a hostile stack value and a second fingerprint appear at run 3."""
     body = (
         change(at=2, canaries=["add"], text="41")
         + change(at=2, stack={"engine.dtype": "float16", "gpu.cache_blocks": "900"}, logprob_shift=-0.01)
-        + change(at=3, canaries=["greet"], text=PAYLOAD)
+        + change(at=3, canaries=["greet"], text=PAYLOAD, stack={"env.NOTE": HOSTILE_STACK})
         + change(at=3, canaries=["colors"], fingerprint="fp_other")
     )
     stack = {"engine.dtype": "bfloat16", "gpu.cache_blocks": "1000"}
@@ -162,7 +163,8 @@ def test_delta_logprob_shown_as_colour_and_on_hover(page) -> None:
 def test_stored_strings_are_escaped_and_inert(lab, page) -> None:
     _, runs, _ = lab
     html, p = page
-    assert "<script>document" not in html and "<b>x</b>" not in html
+    assert "<script>document" not in html and "<b>x</b>" not in html and "<img" not in html
+    assert [x for _, _, x in p.find("td") if x == HOSTILE_STACK]  # the stack value, shown as text
     assert sum(1 for t, _, _ in p.elements if t == "script") == 1  # the page's own, nothing stored
     assert all(text != "x" for _, _, text in p.find("b"))
     i = next(n for n, (_, a, _) in enumerate(p.elements) if a.get("data-canary") == "greet")
