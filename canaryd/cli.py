@@ -238,6 +238,7 @@ def record_cmd(
     pin: Annotated[Path | None, typer.Option(help="Say whether the session matched this pin.")] = None,
     fmt: Annotated[str, typer.Option("--format", help="md or json.")] = "md",
     out_file: Annotated[Path | None, typer.Option("--out", help="Write here (default: stdout).")] = None,
+    html: Annotated[Path | None, typer.Option("--html", help="Also write the HTML report here.")] = None,
 ) -> None:
     """The reproducibility record of a session, from the store: stack, pin, canaries, changes, pointers."""
     from canaryd.report.record import record_of, to_markdown
@@ -250,6 +251,10 @@ def record_cmd(
     with _store(_config(ctx)) as store:
         run_ids = run or store.run_ids(since_time(since))  # type: ignore[arg-type]
         rec = record_of(store, run_ids, since, pinned, str(pin or ""))
+        if html is not None:
+            from canaryd.report.html import write_report
+
+            write_report(store, run_ids, html)
     _write(
         json.dumps(rec, indent=2, ensure_ascii=False) + "\n" if fmt == "json" else to_markdown(rec), out_file
     )
@@ -325,6 +330,7 @@ def diff_cmd(
         list[str] | None, typer.Option("--label", help="A column name per pair, in order (repeatable).")
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")] = False,
+    html: Annotated[Path | None, typer.Option("--html", help="Also write the HTML report here.")] = None,
 ) -> None:
     """Diff runs answer by answer and step by step: changes, flips, scores per suite, fingerprints, stacks.
 
@@ -339,9 +345,30 @@ def diff_cmd(
         raise InputError(f"--label: {len(label)} label(s) for {len(runs) // 2} pair(s) of runs")
     with _store(_config(ctx)) as store:
         diffs = diff_pairs(store, runs, label)
+        if html is not None:
+            from canaryd.report.html import write_report
+            from canaryd.report.rundiff import pairs_of
+
+            write_report(store, runs, html, pairs_of(runs), label)
     code = EXIT_DRIFT if any(d.changed for d in diffs) else EXIT_OK
     show_diff(diffs, code, as_json, out)
     raise typer.Exit(code)
+
+
+@app.command("report")
+def report_cmd(
+    ctx: typer.Context,
+    runs: Annotated[
+        list[int], typer.Argument(metavar="RUN...", help="Run ids: each diffed against the one before.")
+    ],
+    out_file: Annotated[Path, typer.Option("--out", help="The HTML file.")] = Path("canaryd-report.html"),
+) -> None:
+    """One self-contained HTML file (no server, no network): summary, token diffs, history, stack, record."""
+    from canaryd.report.html import write_report
+
+    with _store(_config(ctx)) as store:
+        size = write_report(store, runs, out_file)
+    print(f"{out_file}: {size} bytes")
 
 
 @app.command()
