@@ -32,7 +32,7 @@ from canaryd.files import write_private
 from canaryd.judge.compare import token_delta
 from canaryd.judge.verdicts import Verdict
 from canaryd.observation import Observation, TokenLogprob
-from canaryd.report.record import _rank, build_record, iso, suggest, to_markdown
+from canaryd.report.record import build_record, iso, revert_rank, suggest, to_markdown
 from canaryd.report.rundiff import PairDiff, Run, diff_runs, step_output
 from canaryd.stack import FieldChange, diff, merge_stacks
 from canaryd.store import Store, StoredObservation
@@ -350,11 +350,13 @@ def stack_section(runs: Sequence[LoadedRun]) -> str:
     """Each consecutive pair's stack diff, cause fields (engine, configuration) before what they derive."""
     out = ["<h2 id=stack>Stack changes</h2>"]
     for a, b in pairwise(runs):
-        changes: list[FieldChange] = sorted(diff(a.stack, b.stack), key=lambda c: (_rank(c.field), c.field))
+        changes: list[FieldChange] = sorted(
+            diff(a.stack, b.stack), key=lambda c: (revert_rank(c.field), c.field)
+        )
         out.append(f"<h3>run {a.run.run_id} → run {b.run.run_id}: {len(changes)} field(s)</h3>")
         if changes:
             rows = "".join(
-                f'<tr class="{"cause" if _rank(c.field) < len(REVERT_FIRST) else "derived"}" '
+                f'<tr class="{"cause" if revert_rank(c.field) < len(REVERT_FIRST) else "derived"}" '
                 f'data-field="{e(c.field)}"><td><code>{e(c.field)}</code></td><td>{e(c.before)}</td>'
                 f"<td>{e(c.after)}</td></tr>"
                 for c in changes

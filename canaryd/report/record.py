@@ -49,7 +49,7 @@ def last_flip(verdicts: Iterable[tuple[int, str]]) -> tuple[int, int] | None:
     return None
 
 
-def _rank(field: str) -> int:
+def revert_rank(field: str) -> int:
     head = next((s for s in field.split(".") if s != "host"), "")
     if head in REVERT_FIRST:
         return REVERT_FIRST.index(head)
@@ -75,7 +75,7 @@ def suggest(changes: Sequence[FieldChange]) -> str:
             f"one field changed: {c.field} from {_shown(c.before)} to {_shown(c.after)}"
             " — revert it to confirm"
         )
-    ordered = sorted(changes, key=lambda c: (_rank(c.field), c.field))
+    ordered = sorted(changes, key=lambda c: (revert_rank(c.field), c.field))
     steps = "; ".join(
         f"{i}. {c.field} ({_shown(c.before)} -> {_shown(c.after)})" for i, c in enumerate(ordered, 1)
     )
