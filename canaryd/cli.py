@@ -29,6 +29,7 @@ import typer
 from rich.console import Console
 from sqlalchemy.exc import SQLAlchemyError
 
+from canaryd import DISTRIBUTION
 from canaryd import log as logsetup
 from canaryd.canaries import load_suites, risky_patterns
 from canaryd.config import Config, find_config, load_config
@@ -59,7 +60,7 @@ class State:
 
 def _version(value: bool) -> None:
     if value:
-        print(f"canaryd {dist_version('canaryd')} (python {sys.version.split()[0]})")
+        print(f"canaryd {dist_version(DISTRIBUTION)} (python {sys.version.split()[0]})")
         raise typer.Exit()
 
 

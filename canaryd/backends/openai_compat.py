@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import httpx2
 
+from canaryd import DISTRIBUTION
 from canaryd.backends import openai_wire as wire
 from canaryd.backends import transport
 from canaryd.backends.base import BackendUnavailable, HttpSettings
@@ -47,7 +48,7 @@ class Settings(HttpSettings):
 
 def _user_agent() -> str:
     try:
-        return f"canaryd/{dist_version('canaryd')}"
+        return f"canaryd/{dist_version(DISTRIBUTION)}"
     except PackageNotFoundError:
         return "canaryd"
 

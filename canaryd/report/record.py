@@ -238,9 +238,11 @@ def record_of(
     """`canaryd record`: the record of these runs (found ``since`` a time), kept from pruning."""
     from importlib.metadata import version
 
+    from canaryd import DISTRIBUTION
+
     if not run_ids:
         raise InputError(f"record: no runs since {since}")
-    rec = build_record(store, run_ids, pin=pin, pin_path=pin_path, version=version("canaryd"))
+    rec = build_record(store, run_ids, pin=pin, pin_path=pin_path, version=version(DISTRIBUTION))
     store.keep(rec["storage"]["observation_ids"], "record")
     return rec
 
