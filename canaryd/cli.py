@@ -470,6 +470,22 @@ def init(
         print(f"wrote {written}")
 
 
+ops_app = typer.Typer(help="Operations files shipped in the package.", no_args_is_help=True)
+app.add_typer(ops_app, name="ops")
+
+
+@ops_app.command("export")
+def ops_export(
+    dest: Annotated[Path, typer.Argument(help="Directory to write them under (created if missing).")],
+    force: Annotated[bool, typer.Option(help="Overwrite existing files.")] = False,
+) -> None:
+    """Write the alert rules and their tests, the Grafana dashboard, the systemd unit and the runbook."""
+    from canaryd.ops import export_files
+
+    for written in export_files(dest, force=force):
+        print(f"wrote {written}")
+
+
 @app.command()
 def demo(
     workdir: Annotated[Path, typer.Option(help="Where the tiny model, config and database go.")] = Path(
