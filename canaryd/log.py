@@ -1,20 +1,51 @@
 """structlog set-up: JSON lines to stderr when not on a terminal (journald, CI), readable on a TTY.
 
 Stdout stays free for command output (tables, ``--json``), so logs never corrupt what a script parses.
+
+Under systemd, stderr is a stream to journald, which files every line at the unit's default priority (info)
+unless the line starts with a syslog priority ``<N>`` (``SyslogLevelPrefix=``, on by default). So when
+stderr is the journal, each line gets its level's prefix and ``journalctl -p warning`` shows the warnings.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
+from typing import TextIO
 
 import structlog
+
+# syslog priorities (RFC 5424), as sd-daemon(3) lists them for SyslogLevelPrefix=.
+PRIORITY = {"debug": 7, "info": 6, "warning": 4, "error": 3, "critical": 2}
+
+
+def stderr_is_journal(stream: TextIO | None = None) -> bool:
+    """Whether ``stream`` (default stderr) is the journald stream systemd connected.
+
+    systemd sets ``JOURNAL_STREAM=<device>:<inode>`` of that stream (systemd.exec(5)); a process whose stderr
+    was redirected since (a pipe, a file) inherits the variable but not the stream, hence the comparison.
+    """
+    stream = sys.stderr if stream is None else stream
+    dev, _, ino = os.environ.get("JOURNAL_STREAM", "").partition(":")
+    try:
+        st = os.fstat(stream.fileno())
+        return (st.st_dev, st.st_ino) == (int(dev), int(ino))
+    except (ValueError, OSError, AttributeError):  # unset or malformed, or a stream without a descriptor
+        return False
+
+
+def journal_prefix(level: str) -> str:
+    """``<N>`` for a level name (``<6>``, info, for anything unknown)."""
+    return f"<{PRIORITY.get(level, 6)}>"
 
 
 def configure(level: str = "info", *, json: bool | None = None) -> None:
     if json is None:
         json = not sys.stderr.isatty()
     renderer = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False)
+    if stderr_is_journal():
+        renderer = _prefixed(renderer)
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
@@ -27,3 +58,12 @@ def configure(level: str = "info", *, json: bool | None = None) -> None:
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
         cache_logger_on_first_use=False,
     )
+
+
+def _prefixed(renderer: structlog.types.Processor) -> structlog.types.Processor:
+    """``renderer``'s line behind the journald priority of its level (``add_log_level`` set it)."""
+
+    def render(logger: object, method: str, event: dict) -> str:
+        return journal_prefix(event.get("level", "")) + renderer(logger, method, event)
+
+    return render

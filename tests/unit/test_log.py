@@ -1,0 +1,89 @@
+"""Log lines as journald files them: a ``<N>`` syslog priority prefix only when stderr is the journal stream.
+
+The journal stream is stood in for by a regular file: systemd's test is the same (``JOURNAL_STREAM`` equals
+stderr's device and inode), and the lines can be read back.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from canaryd import log as logsetup
+
+LEVELS = ("debug", "info", "warning", "error", "critical")
+EMIT = f"""
+from canaryd import log
+log.configure("debug")
+import structlog
+logger = structlog.get_logger("canaryd")
+for level in {LEVELS!r}:
+    getattr(logger, level)("hello", n=1)
+try:
+    1 / 0
+except ZeroDivisionError:
+    logger.exception("boom")
+"""
+
+
+def stream_id(path: Path) -> str:
+    st = os.stat(path)
+    return f"{st.st_dev}:{st.st_ino}"
+
+
+def emit(stderr_file: Path, journal_stream: str | None) -> list[str]:
+    """The stderr lines of a process logging once at each level (and one exception) into ``stderr_file``."""
+    env = {k: v for k, v in os.environ.items() if k != "JOURNAL_STREAM"}
+    if journal_stream is not None:
+        env["JOURNAL_STREAM"] = journal_stream
+    with stderr_file.open("wb") as err:
+        subprocess.run([sys.executable, "-c", EMIT], stderr=err, env=env, check=True, timeout=60)
+    return stderr_file.read_text().splitlines()
+
+
+def test_on_the_journal_each_line_carries_its_levels_priority(tmp_path):
+    path = tmp_path / "stderr"
+    path.touch()
+    lines = emit(path, stream_id(path))
+    assert len(lines) == len(LEVELS) + 1  # the traceback stays inside its one JSON line
+    for line, level in zip(lines, (*LEVELS, "error"), strict=True):
+        prefix = f"<{logsetup.PRIORITY[level]}>"
+        assert line.startswith(prefix), line
+        record = json.loads(line.removeprefix(prefix))  # after the prefix, the same JSON line as ever
+        assert record["level"] == level
+    assert "ZeroDivisionError" in json.loads(lines[-1][3:])["exception"]
+    # systemd's mapping: warning and worse are what `journalctl -p warning` shows
+    assert [line[:3] for line in lines] == ["<7>", "<6>", "<4>", "<3>", "<2>", "<3>"]
+
+
+@pytest.mark.parametrize("journal_stream", [None, "", "garbage", "1:2:3", "other-inode"])
+def test_elsewhere_lines_stay_plain_json(tmp_path, journal_stream):
+    """No variable, a malformed one, or one naming another stream (stderr redirected since systemd set it)."""
+    path = tmp_path / "stderr"
+    path.touch()
+    if journal_stream == "other-inode":
+        other = tmp_path / "other"
+        other.touch()
+        journal_stream = stream_id(other)
+    lines = emit(path, journal_stream)
+    assert [json.loads(line)["level"] for line in lines] == [*LEVELS, "error"]
+
+
+def test_stderr_is_journal_compares_device_and_inode(tmp_path, monkeypatch):
+    path = tmp_path / "stream"
+    path.touch()
+    dev, ino = stream_id(path).split(":")
+    with path.open("w") as stream:
+        monkeypatch.setenv("JOURNAL_STREAM", f"{dev}:{ino}")
+        assert logsetup.stderr_is_journal(stream)
+        monkeypatch.setenv("JOURNAL_STREAM", f"{int(dev) + 1}:{ino}")
+        assert not logsetup.stderr_is_journal(stream)
+        monkeypatch.delenv("JOURNAL_STREAM")
+        assert not logsetup.stderr_is_journal(stream)
+
+
+def test_journal_prefix_of_an_unknown_level_is_info():
+    assert logsetup.journal_prefix("notice-ish") == "<6>"
