@@ -56,7 +56,9 @@ def export_files(dest: Path, force: bool = False) -> list[Path]:
             _mkdir(target.parent)
             _write(target, sources[rel].read_bytes())
         except OSError as e:
-            raise InputError(f"{target}: cannot write: {e.strerror or e}") from None
+            culprit = e.filename2 or e.filename  # a rename's target, else the path the call failed on
+            where = f"{culprit}: {e.strerror}" if culprit and e.strerror else str(e)
+            raise InputError(f"{target}: cannot write ({where})") from None
     return list(targets.values())
 
 
