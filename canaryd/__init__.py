@@ -4,6 +4,7 @@ Data flows one way: config → scheduler → probe (backend) → observation + s
 compare → metrics/alerts/reports. Each arrow is a module named for what it holds.
 """
 
-# The distribution's name, for importlib.metadata: PyPI's "canaryd" is an unrelated project, so the wheel is
-# llm-canaryd while the command and the import package stay canaryd.
-DISTRIBUTION = "llm-canaryd"
+# The one place the version is written: pyproject.toml reads it (dynamic), and so does the code (--version,
+# canaryd_build_info, pins, records, the User-Agent) without asking installed metadata for a distribution
+# name (the wheel is llm-canaryd; PyPI's canaryd is an unrelated project).
+__version__ = "0.1.0"

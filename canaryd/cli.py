@@ -20,7 +20,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from functools import partial
-from importlib.metadata import version as dist_version
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -29,7 +28,7 @@ import typer
 from rich.console import Console
 from sqlalchemy.exc import SQLAlchemyError
 
-from canaryd import DISTRIBUTION
+from canaryd import __version__
 from canaryd import log as logsetup
 from canaryd.canaries import load_suites, risky_patterns
 from canaryd.config import Config, find_config, load_config
@@ -60,7 +59,7 @@ class State:
 
 def _version(value: bool) -> None:
     if value:
-        print(f"canaryd {dist_version(DISTRIBUTION)} (python {sys.version.split()[0]})")
+        print(f"canaryd {__version__} (python {sys.version.split()[0]})")
         raise typer.Exit()
 
 

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+import canaryd
+
 REPO = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
 PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
 # The agreed contract with the metrics side: these ship, at their repository paths.
@@ -93,8 +95,12 @@ def test_sdist_and_wheel_carry_the_license_and_the_ops_files_contents(installed)
 def test_the_installed_command_is_the_installed_package(installed):
     where = installed.run("python", "-c", "import canaryd; print(canaryd.__file__)")
     assert where.returncode == 0 and where.stdout.startswith(str(installed.venv)), where
+    meta = installed.run(
+        "python", "-c", f"import importlib.metadata as m; print(m.version({PROJECT['name']!r}))"
+    )
+    assert meta.stdout.strip() == canaryd.__version__, meta  # pyproject's dynamic version is the package's
     v = installed.run("canaryd", "--version")
-    assert v.returncode == 0 and v.stdout.startswith(f"canaryd {PROJECT['version']} "), v
+    assert v.returncode == 0 and v.stdout.startswith(f"canaryd {canaryd.__version__} "), v
 
 
 def test_ops_export_writes_the_repos_files_and_refuses_to_overwrite(installed):
