@@ -5,6 +5,7 @@ Stdout stays free for command output (tables, ``--json``), so logs never corrupt
 Under systemd, stderr is a stream to journald, which files every line at the unit's default priority (info)
 unless the line starts with a syslog priority ``<N>`` (``SyslogLevelPrefix=``, on by default). So when
 stderr is the journal, each line gets its level's prefix and ``journalctl -p warning`` shows the warnings.
+Libraries' stdlib logging (APScheduler's missed runs, for one) becomes the same lines, warnings and worse.
 """
 
 from __future__ import annotations
@@ -46,18 +47,51 @@ def configure(level: str = "info", *, json: bool | None = None) -> None:
     renderer = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False)
     if stderr_is_journal():
         renderer = _prefixed(renderer)
+    threshold = logging.getLevelNamesMapping()[level.upper()]
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            _TIMESTAMP,
             structlog.processors.format_exc_info,
             renderer,
         ],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
+        wrapper_class=structlog.make_filtering_bound_logger(threshold),
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
         cache_logger_on_first_use=False,
     )
+    _route_stdlib(renderer, max(threshold, logging.WARNING))
+
+
+_TIMESTAMP = structlog.processors.TimeStamper(fmt="iso", utc=True)
+_stdlib_handler: logging.Handler | None = None
+
+
+def _route_stdlib(renderer: structlog.types.Processor, threshold: int) -> None:
+    """Render stdlib records at ``threshold`` or worse like structlog's, with their logger's name.
+
+    Without it Python's last-resort handler prints their bare message: no JSON, no priority. Only the
+    handler added here is replaced on a second call; others' handlers (pytest's) stay.
+    """
+    global _stdlib_handler
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setLevel(threshold)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=[
+                structlog.stdlib.add_logger_name,
+                structlog.processors.add_log_level,
+                _TIMESTAMP,
+                structlog.processors.format_exc_info,
+            ],
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+        )
+    )
+    root = logging.getLogger()
+    if _stdlib_handler is not None:
+        root.removeHandler(_stdlib_handler)
+    root.addHandler(handler)
+    _stdlib_handler = handler
 
 
 def _prefixed(renderer: structlog.types.Processor) -> structlog.types.Processor:

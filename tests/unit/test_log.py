@@ -26,7 +26,12 @@ try:
     1 / 0
 except ZeroDivisionError:
     logger.exception("boom")
+import logging
+logging.getLogger("apscheduler.executors.default").warning("Run time of job %s was missed", "p")
+logging.getLogger("apscheduler.scheduler").info("Added job")  # libraries: warnings and worse only
 """
+# What reaches stderr, in order: each structlog level, the exception, the library's warning.
+EXPECTED = (*LEVELS, "error", "warning")
 
 
 def stream_id(path: Path) -> str:
@@ -35,7 +40,7 @@ def stream_id(path: Path) -> str:
 
 
 def emit(stderr_file: Path, journal_stream: str | None) -> list[str]:
-    """The stderr lines of a process logging once at each level (and one exception) into ``stderr_file``."""
+    """The stderr lines of a process logging at each level, an exception and a library's warning."""
     env = {k: v for k, v in os.environ.items() if k != "JOURNAL_STREAM"}
     if journal_stream is not None:
         env["JOURNAL_STREAM"] = journal_stream
@@ -48,15 +53,17 @@ def test_on_the_journal_each_line_carries_its_levels_priority(tmp_path):
     path = tmp_path / "stderr"
     path.touch()
     lines = emit(path, stream_id(path))
-    assert len(lines) == len(LEVELS) + 1  # the traceback stays inside its one JSON line
-    for line, level in zip(lines, (*LEVELS, "error"), strict=True):
+    assert len(lines) == len(EXPECTED)  # the traceback stays inside its one JSON line
+    records = []
+    for line, level in zip(lines, EXPECTED, strict=True):
         prefix = f"<{logsetup.PRIORITY[level]}>"
         assert line.startswith(prefix), line
-        record = json.loads(line.removeprefix(prefix))  # after the prefix, the same JSON line as ever
-        assert record["level"] == level
-    assert "ZeroDivisionError" in json.loads(lines[-1][3:])["exception"]
+        records.append(json.loads(line.removeprefix(prefix)))  # after the prefix, the same JSON as ever
+        assert records[-1]["level"] == level
+    assert "ZeroDivisionError" in records[-2]["exception"]
+    assert records[-1]["logger"] == "apscheduler.executors.default" and "missed" in records[-1]["event"]
     # systemd's mapping: warning and worse are what `journalctl -p warning` shows
-    assert [line[:3] for line in lines] == ["<7>", "<6>", "<4>", "<3>", "<2>", "<3>"]
+    assert [line[:3] for line in lines] == ["<7>", "<6>", "<4>", "<3>", "<2>", "<3>", "<4>"]
 
 
 @pytest.mark.parametrize("journal_stream", [None, "", "garbage", "1:2:3", "other-inode"])
@@ -69,7 +76,7 @@ def test_elsewhere_lines_stay_plain_json(tmp_path, journal_stream):
         other.touch()
         journal_stream = stream_id(other)
     lines = emit(path, journal_stream)
-    assert [json.loads(line)["level"] for line in lines] == [*LEVELS, "error"]
+    assert [json.loads(line)["level"] for line in lines] == list(EXPECTED)
 
 
 def test_stderr_is_journal_compares_device_and_inode(tmp_path, monkeypatch):
