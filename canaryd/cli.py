@@ -308,7 +308,7 @@ def validate(ctx: typer.Context) -> None:
     suites = load_suites([s.path for s in cfg.suites], cfg.limits.suite_bytes)
     n = sum(len(s.canaries) for s in suites)
     for line in risky_patterns(suites):  # a warning, not an error: the check's time bound contains them
-        print(f"canaryd: warning: {line}", file=sys.stderr)
+        logsetup.to_stderr(f"canaryd: warning: {line}", "warning")
     print(f"{cfg.path}: ok: {len(cfg.backends)} backend(s), {len(suites)} suite(s), {n} canaries")
 
 
@@ -503,14 +503,14 @@ def main() -> None:
     try:
         app()  # usage errors exit 2 and typer.Exit(code) exits with code, as SystemExit
     except InputError as e:
-        print(f"canaryd: error: {e}", file=sys.stderr)
+        logsetup.to_stderr(f"canaryd: error: {e}", "error")
         sys.exit(EXIT_USAGE)
     except SQLAlchemyError as e:
-        print(f"canaryd: storage error: {str(e).splitlines()[0]}", file=sys.stderr)
+        logsetup.to_stderr(f"canaryd: storage error: {str(e).splitlines()[0]}", "error")
         sys.exit(EXIT_INTERNAL)
     except KeyboardInterrupt:
         sys.exit(130)
     except Exception as e:  # the last line of defence: one line, no traceback unless debugging
         log.debug("internal_error", exc_info=True)
-        print(f"canaryd: internal error: {e.__class__.__name__}: {e}", file=sys.stderr)
+        logsetup.to_stderr(f"canaryd: internal error: {e.__class__.__name__}: {e}", "error")
         sys.exit(EXIT_INTERNAL)

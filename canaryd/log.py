@@ -41,6 +41,13 @@ def journal_prefix(level: str) -> str:
     return f"<{PRIORITY.get(level, 6)}>"
 
 
+def to_stderr(line: str, level: str) -> None:
+    """A message for the user (``canaryd: error: …``) on stderr, with its priority when that is the journal:
+    the one line that says why a unit failed is what ``journalctl -p err`` must show."""
+    prefix = journal_prefix(level) if stderr_is_journal() else ""
+    print(prefix + line, file=sys.stderr)
+
+
 def configure(level: str = "info", *, json: bool | None = None) -> None:
     if json is None:
         json = not sys.stderr.isatty()

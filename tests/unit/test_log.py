@@ -94,3 +94,18 @@ def test_stderr_is_journal_compares_device_and_inode(tmp_path, monkeypatch):
 
 def test_journal_prefix_of_an_unknown_level_is_info():
     assert logsetup.journal_prefix("notice-ish") == "<6>"
+
+
+@pytest.mark.parametrize("on_journal", [True, False])
+def test_the_clis_error_line_carries_the_error_priority_on_the_journal_only(tmp_path, on_journal):
+    path = tmp_path / "stderr"
+    path.touch()
+    env = {k: v for k, v in os.environ.items() if k != "JOURNAL_STREAM"}
+    if on_journal:
+        env["JOURNAL_STREAM"] = stream_id(path)
+    with path.open("wb") as err:
+        cmd = [sys.executable, "-m", "canaryd", "-c", str(tmp_path / "missing.toml"), "validate"]
+        p = subprocess.run(cmd, stderr=err, env=env, timeout=60)
+    assert p.returncode == 2
+    (line,) = path.read_text().splitlines()
+    assert line.startswith(("<3>" if on_journal else "") + "canaryd: error: ") and "missing.toml" in line
