@@ -20,7 +20,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from functools import partial
-from importlib.metadata import version as dist_version
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -29,6 +28,7 @@ import typer
 from rich.console import Console
 from sqlalchemy.exc import SQLAlchemyError
 
+from canaryd import __version__
 from canaryd import log as logsetup
 from canaryd.canaries import load_suites, risky_patterns
 from canaryd.config import Config, find_config, load_config
@@ -59,7 +59,7 @@ class State:
 
 def _version(value: bool) -> None:
     if value:
-        print(f"canaryd {dist_version('canaryd')} (python {sys.version.split()[0]})")
+        print(f"canaryd {__version__} (python {sys.version.split()[0]})")
         raise typer.Exit()
 
 
@@ -313,7 +313,7 @@ def validate(ctx: typer.Context) -> None:
     suites = load_suites([s.path for s in cfg.suites], cfg.limits.suite_bytes)
     n = sum(len(s.canaries) for s in suites)
     for line in risky_patterns(suites):  # a warning, not an error: the check's time bound contains them
-        print(f"canaryd: warning: {line}", file=sys.stderr)
+        logsetup.to_stderr(f"canaryd: warning: {line}", "warning")
     print(f"{cfg.path}: ok: {len(cfg.backends)} backend(s), {len(suites)} suite(s), {n} canaries")
 
 
@@ -496,6 +496,22 @@ def init(
         print(f"wrote {written}")
 
 
+ops_app = typer.Typer(help="Operations files shipped in the package.", no_args_is_help=True)
+app.add_typer(ops_app, name="ops")
+
+
+@ops_app.command("export")
+def ops_export(
+    dest: Annotated[Path, typer.Argument(help="Directory to write them under (created if missing).")],
+    force: Annotated[bool, typer.Option(help="Overwrite existing files.")] = False,
+) -> None:
+    """Write the alert rules and their tests, the Grafana dashboard, the systemd unit and the runbook."""
+    from canaryd.ops import export_files
+
+    for written in export_files(dest, force=force):
+        print(f"wrote {written}")
+
+
 @app.command()
 def demo(
     workdir: Annotated[Path, typer.Option(help="Where the tiny model, config and database go.")] = Path(
@@ -514,14 +530,14 @@ def main() -> None:
     try:
         app()  # usage errors exit 2 and typer.Exit(code) exits with code, as SystemExit
     except InputError as e:
-        print(f"canaryd: error: {e}", file=sys.stderr)
+        logsetup.to_stderr(f"canaryd: error: {e}", "error")
         sys.exit(EXIT_USAGE)
     except SQLAlchemyError as e:
-        print(f"canaryd: storage error: {str(e).splitlines()[0]}", file=sys.stderr)
+        logsetup.to_stderr(f"canaryd: storage error: {str(e).splitlines()[0]}", "error")
         sys.exit(EXIT_INTERNAL)
     except KeyboardInterrupt:
         sys.exit(130)
     except Exception as e:  # the last line of defence: one line, no traceback unless debugging
         log.debug("internal_error", exc_info=True)
-        print(f"canaryd: internal error: {e.__class__.__name__}: {e}", file=sys.stderr)
+        logsetup.to_stderr(f"canaryd: internal error: {e.__class__.__name__}: {e}", "error")
         sys.exit(EXIT_INTERNAL)

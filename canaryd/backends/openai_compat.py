@@ -16,12 +16,11 @@ import json
 import threading
 import time
 from collections.abc import Callable
-from importlib.metadata import PackageNotFoundError
-from importlib.metadata import version as dist_version
 from typing import Any, Literal
 
 import httpx2
 
+from canaryd import __version__
 from canaryd.backends import openai_wire as wire
 from canaryd.backends import transport
 from canaryd.backends.base import BackendUnavailable, HttpSettings
@@ -46,10 +45,7 @@ class Settings(HttpSettings):
 
 
 def _user_agent() -> str:
-    try:
-        return f"canaryd/{dist_version('canaryd')}"
-    except PackageNotFoundError:
-        return "canaryd"
+    return f"canaryd/{__version__}"
 
 
 class Prober:

@@ -15,7 +15,6 @@ import sys
 import time
 from collections import deque
 from collections.abc import Iterable
-from importlib.metadata import version as dist_version
 
 from prometheus_client import (
     CollectorRegistry,
@@ -27,6 +26,7 @@ from prometheus_client import (
     disable_created_metrics,
 )
 
+from canaryd import __version__
 from canaryd.backends import engine_version
 from canaryd.judge.compare import Verdict
 from canaryd.judge.stats import DetectorState
@@ -198,7 +198,7 @@ class Metrics:
         self.build_info = Gauge(
             "canaryd_build_info", "canaryd's version.", ("version", "python_version"), registry=r
         )
-        self.build_info.labels(dist_version("canaryd"), sys.version.split()[0]).set(1)
+        self.build_info.labels(__version__, sys.version.split()[0]).set(1)
         self._per_canary = (
             self.verdict,
             self.correct,

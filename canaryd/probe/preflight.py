@@ -15,10 +15,9 @@ import subprocess
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from importlib.metadata import version as dist_version
 from pathlib import Path
 
-from canaryd import files
+from canaryd import __version__, files
 from canaryd.config import Config
 from canaryd.errors import EXIT_DRIFT, EXIT_OK, EXIT_UNAVAILABLE, InputError
 from canaryd.judge.compare import Verdict
@@ -136,7 +135,7 @@ def take_pin(config: Config, backend: str | None = None) -> PinTaken:
     runs = {r.observation.backend: r.run_id for r in checked.results}
     pinned = Pin(
         created=_now(),
-        canaryd=dist_version("canaryd"),
+        canaryd=__version__,
         backends={
             b: PinnedBackend(config.backend(b).kind, s, runs[b])
             for b, s in stacks_now(checked.results).items()
@@ -231,7 +230,7 @@ def run_preflight(
     try:
         store.keep([r.observation_id for r in after], "preflight")
         runs = sorted({r.run_id for r in checked.results})
-        rec = build_record(store, runs, pin=pin, pin_path=str(pin_path), version=dist_version("canaryd"))
+        rec = build_record(store, runs, pin=pin, pin_path=str(pin_path), version=__version__)
         rec["command"] = {
             "argv": list(argv),
             "cwd": str(Path.cwd()),

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
 from itertools import pairwise
 
+from canaryd import __version__
 from canaryd.backends import REVERT_FIRST, REVERT_LAST
 from canaryd.errors import InputError
 from canaryd.judge.compare import Verdict, token_delta
@@ -236,11 +237,9 @@ def record_of(
     store: Store, run_ids: Sequence[int], since: str | None, pin: Pin | None, pin_path: str
 ) -> dict:
     """`canaryd record`: the record of these runs (found ``since`` a time), kept from pruning."""
-    from importlib.metadata import version
-
     if not run_ids:
         raise InputError(f"record: no runs since {since}")
-    rec = build_record(store, run_ids, pin=pin, pin_path=pin_path, version=version("canaryd"))
+    rec = build_record(store, run_ids, pin=pin, pin_path=pin_path, version=__version__)
     store.keep(rec["storage"]["observation_ids"], "record")
     return rec
 
