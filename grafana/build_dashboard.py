@@ -307,7 +307,8 @@ def build_panels(ids: Ids) -> list[tuple[str, list]]:
             [
                 query(
                     "A",
-                    f'sum(max by (backend, canary) (canaryd_canary_verdict{{{CANARY}, verdict=~"{drift}"}}))',
+                    f'sum(max by (backend, canary) (canaryd_canary_verdict{{{CANARY}, verdict=~"{drift}"}}))'
+                    " or vector(0)",
                     "drifting",
                     instant=True,
                 )
@@ -326,7 +327,7 @@ def build_panels(ids: Ids) -> list[tuple[str, list]]:
                 query(
                     "A",
                     f"sum(max by (backend, canary) (canaryd_canary_verdict{{{CANARY}, "
-                    f'verdict="regression"}}))',
+                    f'verdict="regression"}})) or vector(0)',
                     "regressions",
                     instant=True,
                 )
