@@ -157,141 +157,119 @@ class Metrics:
         self.fingerprint_window_s = fingerprint_window_s
         self.label_length = label_length
         self._lock = threading.RLock()  # passes of several schedules record at once
+        self._publishing = threading.Lock()  # publishes in turn: a slow one never replaces a newer cache
         self._pairs: dict[tuple[str, str], _Pair] = {}
         self._cache = _Cache()
         live, per_pass = self._live, self._per_pass
 
         self._add(live, ProcessCollector(registry=None))  # process_resident_memory_bytes & co
         self._add(live, PlatformCollector(registry=None))
-        self.schedule_runs = self._add(
-            live,
-            Counter("canaryd_schedule_runs", "Scheduled probe passes started.", ("schedule",), registry=None),
+        s, b = ("schedule",), ("backend",)
+        self.schedule_runs = self._new(
+            live, Counter, "canaryd_schedule_runs", "Scheduled probe passes started.", s
         )
-        self.schedule_missed = self._add(
+        self.schedule_missed = self._new(
             live,
-            Counter(
-                "canaryd_schedule_missed",
-                "Scheduled passes skipped: still running, or missed their grace time.",
-                ("schedule",),
-                registry=None,
-            ),
+            Counter,
+            "canaryd_schedule_missed",
+            "Scheduled passes skipped: still running, or missed their grace time.",
+            s,
         )
-        self.schedule_last = self._add(
+        self.schedule_last = self._new(
             live,
-            Gauge(
-                "canaryd_schedule_last_run_timestamp_seconds",
-                "Unix time the last pass of this schedule finished.",
-                ("schedule",),
-                registry=None,
-            ),
+            Gauge,
+            "canaryd_schedule_last_run_timestamp_seconds",
+            "Unix time the last pass of this schedule finished.",
+            s,
         )
-        self.reloads = self._add(
-            live, Counter("canaryd_config_reloads", "Config reloads attempted (SIGHUP).", registry=None)
+        self.reloads = self._new(
+            live, Counter, "canaryd_config_reloads", "Config reloads attempted (SIGHUP)."
         )
-        self.reload_failures = self._add(
+        self.reload_failures = self._new(
             live,
-            Counter(
-                "canaryd_config_reload_failures",
-                "Config reloads rejected; the previous config kept running.",
-                registry=None,
-            ),
+            Counter,
+            "canaryd_config_reload_failures",
+            "Config reloads rejected; the previous config kept running.",
         )
-        self.build_info = self._add(
-            live,
-            Gauge("canaryd_build_info", "canaryd's version.", ("version", "python_version"), registry=None),
+        self.build_info = self._new(
+            live, Gauge, "canaryd_build_info", "canaryd's version.", ("version", "python_version")
         )
         self.build_info.labels(dist_version("canaryd"), sys.version.split()[0]).set(1)
 
-        def per_backend(metric):
-            return self._add(per_pass, metric)
-
-        b = ("backend",)
-        self.duration = per_backend(
-            Histogram(
-                "canaryd_backend_probe_duration_seconds",
-                "Request latency of the canary probes that got an answer, per backend.",
-                b,
-                buckets=PROBE_BUCKETS,
-                registry=None,
-            )
+        self.duration = self._new(
+            per_pass,
+            Histogram,
+            "canaryd_backend_probe_duration_seconds",
+            "Request latency of the canary probes that got an answer, per backend.",
+            b,
+            buckets=PROBE_BUCKETS,
         )
-        self.interval = per_backend(
-            Gauge(
-                "canaryd_backend_probe_interval_seconds",
-                "Longest configured interval between probes of the backend's canaries (staleness alerts).",
-                b,
-                registry=None,
-            )
+        self.interval = self._new(
+            per_pass,
+            Gauge,
+            "canaryd_backend_probe_interval_seconds",
+            "Longest configured interval between probes of the backend's canaries (staleness alerts).",
+            b,
         )
-        self.probes = per_backend(Counter("canaryd_backend_probes", "Canary probes sent.", b, registry=None))
-        self.retries = per_backend(
-            Counter(
-                "canaryd_backend_probe_retries", "Extra attempts after transient failures.", b, registry=None
-            )
+        self.probes = self._new(per_pass, Counter, "canaryd_backend_probes", "Canary probes sent.", b)
+        self.retries = self._new(
+            per_pass, Counter, "canaryd_backend_probe_retries", "Extra attempts after transient failures.", b
         )
-        self.failures = per_backend(
-            Counter(
-                "canaryd_backend_probe_failures",
-                "Canary probes that failed, by reason.",
-                (*b, "reason"),
-                registry=None,
-            )
+        self.failures = self._new(
+            per_pass,
+            Counter,
+            "canaryd_backend_probe_failures",
+            "Canary probes that failed, by reason.",
+            (*b, "reason"),
         )
-        self.stack_info = per_backend(
-            Gauge(
-                "canaryd_backend_stack_info",
-                "The serving stack a backend showed last.",
-                ("backend", "kind", "engine_version", "fingerprint", "model", "stack_hash"),
-                registry=None,
-            )
+        self.stack_info = self._new(
+            per_pass,
+            Gauge,
+            "canaryd_backend_stack_info",
+            "The serving stack a backend showed last.",
+            ("backend", "kind", "engine_version", "fingerprint", "model", "stack_hash"),
         )
-        self.stack_changes = per_backend(
-            Counter(
-                "canaryd_backend_stack_changes",
-                "Times a backend's stack snapshot differed from the previous probe's.",
-                b,
-                registry=None,
-            )
+        self.stack_changes = self._new(
+            per_pass,
+            Counter,
+            "canaryd_backend_stack_changes",
+            "Times a backend's stack snapshot differed from the previous probe's.",
+            b,
         )
-        self.fingerprints = per_backend(
-            Gauge(
-                "canaryd_backend_fingerprints",
-                "Distinct system_fingerprint values seen in the fingerprint window.",
-                b,
-                registry=None,
-            )
+        self.fingerprints = self._new(
+            per_pass,
+            Gauge,
+            "canaryd_backend_fingerprints",
+            "Distinct system_fingerprint values seen in the fingerprint window.",
+            b,
         )
-        self.e_cusum = per_backend(
-            Gauge(
-                "canaryd_backend_drift_evidence",
-                "e-CUSUM statistic over the calibrated canaries; reaching the arl raises the alarm.",
-                b,
-                registry=None,
-            )
+        self.e_cusum = self._new(
+            per_pass,
+            Gauge,
+            "canaryd_backend_drift_evidence",
+            "e-CUSUM statistic over the calibrated canaries; reaching the arl raises the alarm.",
+            b,
         )
-        self.alarm = per_backend(
-            Gauge(
-                "canaryd_backend_drift_alarm",
-                "1 once the backend's calibrated evidence says it changed, until recalibrated or accepted.",
-                b,
-                registry=None,
-            )
+        self.alarm = self._new(
+            per_pass,
+            Gauge,
+            "canaryd_backend_drift_alarm",
+            "1 once the backend's calibrated evidence says it changed, until recalibrated or accepted.",
+            b,
         )
-        self.reachable = per_backend(
-            Gauge(
-                "canaryd_backend_reachable",
-                "1 if the last stack snapshot reached the backend, else 0.",
-                b,
-                registry=None,
-            )
+        self.reachable = self._new(
+            per_pass,
+            Gauge,
+            "canaryd_backend_reachable",
+            "1 if the last stack snapshot reached the backend, else 0.",
+            b,
         )
-        self.lease_held = per_backend(
-            Gauge(
-                "canaryd_backend_lease_held",
-                "1 if this daemon holds the backend's probing lease, 0 if another daemon does (set_lease).",
-                b,
-                registry=None,
-            )
+        self.lease_held = self._new(  # failover: set_lease
+            per_pass,
+            Gauge,
+            "canaryd_backend_lease_held",
+            "1 if this daemon holds the backend's probing lease, 0 if another daemon does.",
+            b,
         )
         self.registry.register(_PairCollector(self))
         self._per_backend = (
@@ -318,6 +296,10 @@ class Metrics:
         registry.register(collector)
         self.registry.register(collector)
         return collector
+
+    def _new(self, registry: CollectorRegistry, cls, name: str, help_: str, labels=(), **kwargs):
+        """A metric on ``registry`` (live or per pass) and on ``self.registry`` (every series)."""
+        return self._add(registry, cls(name, help_, labels, registry=None, **kwargs))
 
     def _pair(self, backend: str, canary: str) -> _Pair:
         p = self._pairs.get((backend, canary))
@@ -460,17 +442,18 @@ class Metrics:
     # -- the exposition -------------------------------------------------------------------------------
     def publish(self) -> None:
         """Render what the passes recorded, once, for every scrape until the next publish."""
-        with self._lock:
-            pairs = self._render_pairs()
-            text = generate_latest(self._per_pass)
-            om = openmetrics.generate_latest(self._per_pass)[: -len(EOF)]
-        pairs_gz = gzip.compress(pairs, GZIP_LEVEL)
-        self._cache = _Cache(  # one assignment: a scrape sees the old cache or the new one, whole
-            text + pairs,
-            om + pairs + EOF,
-            gzip.compress(text, GZIP_LEVEL) + pairs_gz,
-            gzip.compress(om, GZIP_LEVEL) + pairs_gz + gzip.compress(EOF),
-        )
+        with self._publishing:
+            with self._lock:  # recording waits only for the render, not for the compression
+                pairs = self._render_pairs()
+                text = generate_latest(self._per_pass)
+                om = openmetrics.generate_latest(self._per_pass)[: -len(EOF)]
+            pairs_gz = gzip.compress(pairs, GZIP_LEVEL)
+            self._cache = _Cache(  # one assignment: a scrape sees the old cache or the new one, whole
+                text + pairs,
+                om + pairs + EOF,
+                gzip.compress(text, GZIP_LEVEL) + pairs_gz,
+                gzip.compress(om, GZIP_LEVEL) + pairs_gz + gzip.compress(EOF),
+            )
 
     def _render_pairs(self) -> bytes:
         """The pair families by hand: prometheus_client's generic writer costs ~20 µs a series, this ~1."""
