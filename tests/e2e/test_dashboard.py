@@ -86,7 +86,7 @@ def prometheus(tmp_path_factory):
     prom, url = start_prometheus(root, RULES, f"127.0.0.1:{server.server_address[1]}", free_port())
     try:
         wait_for("three scrapes", lambda: query(url, "count_over_time(up[1m]) >= 3 and up == 1"), 60)
-        yield url, metrics
+        yield url, metrics, server.server_address[1]
     finally:
         stop.set()
         prom.stop()
@@ -94,7 +94,7 @@ def prometheus(tmp_path_factory):
 
 
 def test_every_panel_query_returns_data_from_the_cached_exposition(dash, prometheus):
-    url, _ = prometheus
+    url, _, _ = prometheus
     queries = bd.panel_queries(
         dash, {"job": "canaryd", "backend": "local", "__rate_interval": "1m", "__range": "5m"}
     )
@@ -108,7 +108,7 @@ def test_every_panel_query_returns_data_from_the_cached_exposition(dash, prometh
 
 
 def test_the_alert_rules_evaluate_on_the_real_series(prometheus):
-    url, _ = prometheus
+    url, _, _ = prometheus
     groups = wait_for(
         "rules evaluated",
         lambda: [
@@ -123,3 +123,11 @@ def test_the_alert_rules_evaluate_on_the_real_series(prometheus):
     # the drifting canary is seen as drift on the real series (pending: its `for:` is a minute)
     alerts = query(url, 'ALERTS{alertname="CanarydLogprobDrift"}')
     assert alerts and alerts[0]["metric"]["instance"] and alerts[0]["metric"]["backend"] == "local"
+
+
+def test_the_served_exposition_passes_promtool_lint(prometheus):
+    """The text format (promtool lints only that; the OpenMetrics body is what Prometheus scraped above)."""
+    _, _, port = prometheus
+    body = httpx2.get(f"http://127.0.0.1:{port}/metrics", timeout=10).content
+    lint = subprocess.run([need("promtool"), "check", "metrics"], input=body, capture_output=True)
+    assert lint.returncode == 0, lint.stdout + lint.stderr
