@@ -5,6 +5,7 @@ import gzip
 import http.client
 import re
 import threading
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -268,3 +269,47 @@ def test_server_serves_the_runbook_every_alert_links_to(served):
     status, headers, md = _get(port, "/runbook.md")
     assert status == 200 and md == runbook_markdown() and headers["Content-Type"].startswith("text/markdown")
     assert b'href="/runbook"' in _get(port, "/")[2]
+
+
+# -- the daemon: a pass is published, its listener serves it ------------------------------------------------
+
+
+def test_the_daemon_publishes_each_pass_and_serves_it(tmp_path):
+    """A real Daemon on a scripted backend (1 s schedule): after a pass its listener serves the verdicts,
+    and a new daemon publishes the last-probe times it restores before its first pass."""
+    from canaryd.config import load_config
+    from canaryd.daemon.service import Daemon
+    from tests.unit.scripted_lab import free_port, scripted
+    from tests.unit.test_scripted_daemon import write
+
+    def start() -> tuple[Daemon, int]:
+        listen = free_port()
+        write(tmp_path, scripted(), ["plain.toml"], listen)
+        d = Daemon(tmp_path / "canaryd.toml", load_config(tmp_path / "canaryd.toml"))
+        d.start()
+        return d, listen
+
+    def served(listen: int) -> str:
+        return _get(listen, "/metrics")[2].decode()
+
+    d, listen = start()
+    try:
+        line = 'canaryd_canary_verdict{backend="fake",canary="add",verdict="identical"} 1.0'
+        deadline = time.monotonic() + 20
+        while line not in served(listen).splitlines():
+            assert time.monotonic() < deadline, served(listen)
+            time.sleep(0.1)
+        assert re.search(r'^canaryd_backend_probes_total\{backend="fake"\} [1-9]', served(listen), re.M)
+        assert _get(listen, "/runbook")[0] == 200
+    finally:
+        d.stop()
+    # a new daemon publishes the last-probe times it restores from the history, before any pass
+    d = Daemon(tmp_path / "canaryd.toml", load_config(tmp_path / "canaryd.toml"))
+    try:
+        assert "canaryd_canary_last_probe" not in d.metrics.exposition()[0].decode()
+        d._restore_last_probes()
+        assert 'canaryd_canary_last_probe_timestamp_seconds{backend="fake",canary="add"}' in (
+            d.metrics.exposition()[0].decode()
+        )
+    finally:
+        d.stop()
