@@ -98,11 +98,12 @@ def anchor(heading: str) -> str:
 
 def runbook_html(markdown: str) -> bytes:
     """Minimal HTML: each heading an ``<hN id=anchor>`` (the alerts' ``runbook_url`` anchors), the text
-    between them preformatted, escaped."""
+    between them preformatted, escaped (a ``#`` line inside a fenced code block stays text)."""
     out, text = (
         ["<!doctype html>\n<html><head><meta charset=utf-8><title>canaryd runbook</title></head><body>"],
         [],
     )
+    fenced = False
 
     def flush() -> None:
         if "".join(text).strip():
@@ -112,7 +113,8 @@ def runbook_html(markdown: str) -> bytes:
         text.clear()
 
     for line in markdown.splitlines(keepends=True):
-        m = re.match(r"(#{1,6})\s+(.+?)\s*#*\s*$", line)
+        fenced ^= line.startswith("```")
+        m = None if fenced else re.match(r"(#{1,6})\s+(.+?)\s*#*\s*$", line)
         if m:
             flush()
             n, title = len(m.group(1)), m.group(2)

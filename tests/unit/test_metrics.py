@@ -14,7 +14,7 @@ from prometheus_client import generate_latest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families as parse_text
 
-from canaryd.daemon.httpserver import MetricsServer, anchor, runbook_markdown
+from canaryd.daemon.httpserver import MetricsServer, anchor, runbook_html, runbook_markdown
 from canaryd.daemon.metrics import PAIR_FAMILIES, Metrics
 from canaryd.judge.compare import compare
 from canaryd.observation import ErrorKind, Observation, TokenLogprob
@@ -313,3 +313,11 @@ def test_the_daemon_publishes_each_pass_and_serves_it(tmp_path):
         )
     finally:
         d.stop()
+
+
+def test_runbook_html_has_an_anchor_per_heading_and_escapes_the_rest():
+    page = runbook_html(
+        "# Runbook\n\nText <b>&</b>\n\n```\n# not a heading\n```\n## CanarydDown ##\nmore\n"
+    ).decode()
+    assert re.findall(r'<h(\d) id="([^"]+)">', page) == [("1", "runbook"), ("2", "canaryddown")]
+    assert "Text &lt;b&gt;&amp;&lt;/b&gt;" in page and "# not a heading" in page
