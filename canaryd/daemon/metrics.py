@@ -29,7 +29,6 @@ import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from importlib.metadata import version as dist_version
 
 from prometheus_client import (
     CollectorRegistry,
@@ -45,6 +44,7 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_late
 from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.utils import floatToGoString
 
+from canaryd import __version__
 from canaryd.backends import engine_version
 from canaryd.judge.compare import Verdict
 from canaryd.judge.stats import DetectorState
@@ -194,7 +194,7 @@ class Metrics:
         self.build_info = self._new(
             live, Gauge, "canaryd_build_info", "canaryd's version.", ("version", "python_version")
         )
-        self.build_info.labels(dist_version("canaryd"), sys.version.split()[0]).set(1)
+        self.build_info.labels(__version__, sys.version.split()[0]).set(1)
 
         self.duration = self._new(
             per_pass,
