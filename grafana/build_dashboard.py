@@ -70,9 +70,9 @@ BUILTIN_DEFAULTS = {"__rate_interval": "1m", "__range": "1h", "__interval": "15s
 def verdict_code_expr(matchers: str = CANARY) -> str:
     """The current verdict of each backend × canary as a number (index into VERDICTS).
 
-    ``canaryd_canary_verdict`` is 1 for the last probe's verdict and 0 for the others, so the sum of
-    ``gauge × code`` over the verdicts is the code of the current one. Several canaryd instances probing
-    the same backend: the worst verdict wins.
+    ``canaryd_canary_verdict`` has one series per pair, labelled with the last probe's verdict (value 1),
+    so the union of ``gauge × code`` over the verdicts is the code of the current one. Several canaryd
+    instances probing the same backend: the worst verdict wins.
     """
     terms = " or ".join(
         f'canaryd_canary_verdict{{{matchers}, verdict="{v}"}} * {i}' for i, (v, _) in enumerate(VERDICTS)
@@ -307,7 +307,8 @@ def build_panels(ids: Ids) -> list[tuple[str, list]]:
             [
                 query(
                     "A",
-                    f'sum(max by (backend, canary) (canaryd_canary_verdict{{{CANARY}, verdict=~"{drift}"}}))',
+                    f'sum(max by (backend, canary) (canaryd_canary_verdict{{{CANARY}, verdict=~"{drift}"}}))'
+                    " or vector(0)",
                     "drifting",
                     instant=True,
                 )
@@ -326,7 +327,7 @@ def build_panels(ids: Ids) -> list[tuple[str, list]]:
                 query(
                     "A",
                     f"sum(max by (backend, canary) (canaryd_canary_verdict{{{CANARY}, "
-                    f'verdict="regression"}}))',
+                    f'verdict="regression"}})) or vector(0)',
                     "regressions",
                     instant=True,
                 )
@@ -423,52 +424,15 @@ def build_panels(ids: Ids) -> list[tuple[str, list]]:
         ),
         series_panel(
             ids,
-            "Verdicts given",
-            "Verdicts given per scrape interval, by verdict (canaryd_canary_verdicts_total).",
+            "Verdicts now",
+            "Backend × canary pairs by their current verdict, over time (canaryd_canary_verdict counted "
+            "by verdict). Every verdict ever given is in the database: canaryd history.",
             "short",
+            24,
             8,
-            8,
-            [
-                query(
-                    "A",
-                    f"sum by (verdict) (increase(canaryd_canary_verdicts_total{{{CANARY}}}[{RATE}]))",
-                    "{{verdict}}",
-                )
-            ],
+            [query("A", f"count by (verdict) (canaryd_canary_verdict{{{CANARY}}})", "{{verdict}}")],
             bars=True,
             stacked=True,
-        ),
-        timeline_panel(
-            ids,
-            "Correct answer",
-            "Whether the last answer matched the canary's expected answer (canaryd_canary_correct); "
-            "canaries without an expected answer have no row.",
-            8,
-            8,
-            [
-                query(
-                    "A",
-                    f"min by (backend, canary) (canaryd_canary_correct{{{CANARY}}})",
-                    "{{backend}} · {{canary}}",
-                )
-            ],
-            bool_mappings("correct", "wrong"),
-        ),
-        timeline_panel(
-            ids,
-            "Answer text equals baseline",
-            "Whether the last answer's text equals the baseline's (canaryd_canary_text_match); no "
-            "value until a canary has a baseline and one more probe.",
-            8,
-            8,
-            [
-                query(
-                    "A",
-                    f"min by (backend, canary) (canaryd_canary_text_match{{{CANARY}}})",
-                    "{{backend}} · {{canary}}",
-                )
-            ],
-            bool_mappings("same text", "different", "orange"),
         ),
     ]
     drift_panels = [
@@ -477,9 +441,10 @@ def build_panels(ids: Ids) -> list[tuple[str, list]]:
             "Max |Δ logprob| vs baseline",
             "Largest absolute logprob difference (natural log, nats) against the baseline over the "
             "common token prefix, chosen tokens and shared top-k alternatives "
-            "(canaryd_canary_logprob_delta_max). 0 = bit-identical logprobs.",
+            "(canaryd_canary_logprob_delta_max). 0 = bit-identical logprobs. Where the answers first "
+            "diverge is in the database: canaryd history.",
             "suffix: nats",
-            12,
+            24,
             8,
             [
                 query(
@@ -489,30 +454,13 @@ def build_panels(ids: Ids) -> list[tuple[str, list]]:
                 )
             ],
         ),
-        series_panel(
-            ids,
-            "First divergence index",
-            "Token index at which the last answer first differs from the baseline "
-            "(canaryd_canary_first_divergence_index); -1 = no divergence. Lower = earlier drift.",
-            "none",
-            12,
-            8,
-            [
-                query(
-                    "A",
-                    f"max by (backend, canary) (canaryd_canary_first_divergence_index{{{CANARY}}})",
-                    "{{backend}} · {{canary}}",
-                )
-            ],
-            mappings=[dash_m.ValueMap(options={"-1": dash_m.ValueMappingResult(text="none", index=0)})],
-        ),
     ]
     probes = [
         series_panel(
             ids,
             "Probe latency",
             "p50 / p95 / p99 request latency of successful probes per backend, from the "
-            "canaryd_canary_probe_duration_seconds histogram.",
+            "canaryd_backend_probe_duration_seconds histogram.",
             "s",
             8,
             8,
@@ -520,7 +468,7 @@ def build_panels(ids: Ids) -> list[tuple[str, list]]:
                 query(
                     ref,
                     f"histogram_quantile({q}, sum by (le, backend) "
-                    f"(rate(canaryd_canary_probe_duration_seconds_bucket{{{CANARY}}}[{RATE}])))",
+                    f"(rate(canaryd_backend_probe_duration_seconds_bucket{{{BACKEND}}}[{RATE}])))",
                     f"p{round(q * 100)} {{{{backend}}}}",
                 )
                 for ref, q in (("A", 0.5), ("B", 0.95), ("C", 0.99))
@@ -529,8 +477,8 @@ def build_panels(ids: Ids) -> list[tuple[str, list]]:
         series_panel(
             ids,
             "Probes, retries and failures by reason",
-            "Probes sent (canaryd_canary_probes_total), failed probes by reason "
-            "(canaryd_canary_probe_failures_total) and retries (canaryd_canary_probe_retries_total) per "
+            "Probes sent (canaryd_backend_probes_total), failed probes by reason "
+            "(canaryd_backend_probe_failures_total) and retries (canaryd_backend_probe_retries_total) per "
             'scrape interval. A backend without failures shows a zero line with reason "none".',
             "short",
             8,
@@ -538,23 +486,23 @@ def build_panels(ids: Ids) -> list[tuple[str, list]]:
             [
                 query(
                     "A",
-                    f"sum by (backend) (increase(canaryd_canary_probes_total{{{CANARY}}}[{RATE}]))",
+                    f"sum by (backend) (increase(canaryd_backend_probes_total{{{BACKEND}}}[{RATE}]))",
                     "{{backend}} probes",
                 ),
                 query(
                     "B",
                     f"sum by (backend, reason) "
-                    f"(increase(canaryd_canary_probe_failures_total{{{CANARY}}}[{RATE}])) "
+                    f"(increase(canaryd_backend_probe_failures_total{{{BACKEND}}}[{RATE}])) "
                     f"or on (backend) label_replace(sum by (backend) "
-                    f"(0 * increase(canaryd_canary_probes_total{{{CANARY}}}[{RATE}])), "
+                    f"(0 * increase(canaryd_backend_probes_total{{{BACKEND}}}[{RATE}])), "
                     f'"reason", "none", "", "")',
                     "{{backend}} failed: {{reason}}",
                 ),
                 query(
                     "C",
-                    f"sum by (backend) (increase(canaryd_canary_probe_retries_total{{{CANARY}}}[{RATE}])) "
+                    f"sum by (backend) (increase(canaryd_backend_probe_retries_total{{{BACKEND}}}[{RATE}])) "
                     f"or on (backend) sum by (backend) "
-                    f"(0 * increase(canaryd_canary_probes_total{{{CANARY}}}[{RATE}]))",
+                    f"(0 * increase(canaryd_backend_probes_total{{{BACKEND}}}[{RATE}]))",
                     "{{backend}} retries",
                 ),
             ],
@@ -564,8 +512,8 @@ def build_panels(ids: Ids) -> list[tuple[str, list]]:
             ids,
             "Time since last probe",
             "Age of each canary's last probe (canaryd_canary_last_probe_timestamp_seconds) next to its "
-            "configured interval (canaryd_canary_probe_interval_seconds). Age well above the interval "
-            "= stale.",
+            "backend's longest configured interval (canaryd_backend_probe_interval_seconds). Age well "
+            "above the interval = stale.",
             "s",
             8,
             8,
@@ -578,7 +526,7 @@ def build_panels(ids: Ids) -> list[tuple[str, list]]:
                 ),
                 query(
                     "B",
-                    f"max by (backend) (canaryd_canary_probe_interval_seconds{{{CANARY}}})",
+                    f"max by (backend) (canaryd_backend_probe_interval_seconds{{{BACKEND}}})",
                     "{{backend}} interval",
                 ),
             ],
@@ -752,7 +700,7 @@ def build_panels(ids: Ids) -> list[tuple[str, list]]:
             "(canaryd_backend_drift_evidence): about 1 or below while honest; the alarm is raised when it "
             "reaches [compare] arl. Only after `canaryd baseline calibrate`.",
             "short",
-            10,
+            16,
             8,
             [query("A", f"max by (backend) (canaryd_backend_drift_evidence{{{BACKEND}}})", "{{backend}}")],
         ),
@@ -762,26 +710,10 @@ def build_panels(ids: Ids) -> list[tuple[str, list]]:
             "Whether the calibrated evidence says the backend changed (canaryd_backend_drift_alarm): set by "
             "min_out canaries beyond their noise in one cycle, an exact-regime change, or the e-CUSUM; "
             "cleared by recalibrating or accepting a baseline.",
-            6,
+            8,
             8,
             [query("A", f"max by (backend) (canaryd_backend_drift_alarm{{{BACKEND}}})", "{{backend}}")],
             bool_mappings("alarm", "quiet", false_color="green", true_color="red"),
-        ),
-        series_panel(
-            ids,
-            "Noise p-value per canary",
-            "p-value of each canary's last probe under its calibrated noise (canaryd_canary_noise_pvalue): "
-            "1 = like an honest probe; 1/(k+1) = beyond every calibration probe.",
-            "short",
-            8,
-            8,
-            [
-                query(
-                    "A",
-                    f"min by (backend, canary) (canaryd_canary_noise_pvalue{{{CANARY}}})",
-                    "{{backend}} {{canary}}",
-                )
-            ],
         ),
     ]
     return [

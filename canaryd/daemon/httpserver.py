@@ -1,4 +1,9 @@
-"""The metrics listener: ``/metrics`` (and a small index on ``/``) with bounded threads and time.
+"""The metrics listener: ``/metrics``, ``/runbook`` (and a small index on ``/``), bounded threads and time.
+
+``/metrics`` returns the bytes `canaryd.daemon.metrics.Metrics` rendered after the last probe pass (plus
+canaryd's own few live series), never a render of every series per scrape; ``/runbook`` serves the runbook
+shipped with this version (the alert rules link to it), as minimal HTML with an anchor per heading, and
+``/runbook.md`` the markdown itself.
 
 prometheus_client's ``start_http_server`` starts a thread per connection and never times an idle one out:
 500 idle connections meant 505 threads, and many concurrent scrapers made scrapes fail. Here:
@@ -23,7 +28,9 @@ from __future__ import annotations
 
 import contextlib
 import gzip
+import html
 import io
+import re
 import resource
 import selectors
 import socket
@@ -33,6 +40,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from importlib.resources import files
+from pathlib import Path
+from typing import Protocol
 from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry
@@ -47,11 +57,72 @@ MAX_HEAD = 16 << 10  # bytes of request line and headers
 INDEX = b"""<!doctype html>
 <html><head><title>canaryd</title></head>
 <body><h1>canaryd</h1><p>Known-answer canaries for LLM serving stacks.</p>
-<p><a href="/metrics">Metrics</a></p></body></html>
+<p><a href="/metrics">Metrics</a> &middot; <a href="/runbook">Runbook</a></p></body></html>
 """
 _END = b"Content-Length: 0\r\nConnection: close\r\n\r\n"
 _BUSY = b"HTTP/1.0 503 Service Unavailable\r\nRetry-After: 1\r\n" + _END
 _TOO_LARGE = b"HTTP/1.0 431 Request Header Fields Too Large\r\n" + _END
+
+
+class Exposition(Protocol):
+    """What ``/metrics`` serves: a body (gzipped if asked) and its content type for an Accept header."""
+
+    def exposition(self, accept: str = "", gzipped: bool = False) -> tuple[bytes, str]: ...
+
+
+class RegistryExposition:
+    """A plain registry rendered on every scrape (tools and tests; the daemon serves `Metrics`' cache)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def exposition(self, accept: str = "", gzipped: bool = False) -> tuple[bytes, str]:
+        encoder, content_type = choose_encoder(accept)
+        body = encoder(self.registry)
+        return (gzip.compress(body) if gzipped else body), content_type
+
+
+def runbook_markdown() -> bytes:
+    """The runbook shipped with this version: package data ``canaryd/_shipped/docs/runbook.md`` (a symlink
+    to ``docs/runbook.md`` in a checkout, the file itself in a wheel), else the checkout's ``docs/``."""
+    shipped = files("canaryd") / "_shipped" / "docs" / "runbook.md"
+    if shipped.is_file():
+        return shipped.read_bytes()
+    return (Path(__file__).resolve().parents[2] / "docs" / "runbook.md").read_bytes()
+
+
+def anchor(heading: str) -> str:
+    """A heading's anchor as GitHub makes it (lowercase, punctuation dropped, spaces to hyphens)."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def runbook_html(markdown: str) -> bytes:
+    """Minimal HTML: each heading an ``<hN id=anchor>`` (the alerts' ``runbook_url`` anchors), the text
+    between them preformatted, escaped (a ``#`` line inside a fenced code block stays text)."""
+    out, text = (
+        ["<!doctype html>\n<html><head><meta charset=utf-8><title>canaryd runbook</title></head><body>"],
+        [],
+    )
+    fenced = False
+
+    def flush() -> None:
+        if "".join(text).strip():
+            out.append(
+                '<pre style="white-space: pre-wrap">' + html.escape("".join(text).strip("\n")) + "</pre>"
+            )
+        text.clear()
+
+    for line in markdown.splitlines(keepends=True):
+        fenced ^= line.startswith("```")
+        m = None if fenced else re.match(r"(#{1,6})\s+(.+?)\s*#*\s*$", line)
+        if m:
+            flush()
+            n, title = len(m.group(1)), m.group(2)
+            out.append(f'<h{n} id="{html.escape(anchor(title))}">{html.escape(title)}</h{n}>')
+        else:
+            text.append(line)
+    flush()
+    return ("\n".join(out) + "\n</body></html>\n").encode()
 
 
 @dataclass
@@ -62,7 +133,8 @@ class _Waiting:
 
 
 class MetricsServer(ThreadingHTTPServer):
-    """Serves a registry's metrics with bounded threads, connections and time (see the module docstring)."""
+    """Serves metrics (`Metrics`' cache, or a registry) and the runbook with bounded threads, connections
+    and time (see the module docstring)."""
 
     daemon_threads = True
     request_queue_size = 128  # the listen backlog (socketserver's default of 5 drops bursts of scrapers)
@@ -70,7 +142,7 @@ class MetricsServer(ThreadingHTTPServer):
     def __init__(
         self,
         address: tuple[str, int],
-        registry: CollectorRegistry,
+        source: Exposition | CollectorRegistry,
         *,
         max_handlers: int = MAX_HANDLERS,
         max_queued: int = MAX_QUEUED,
@@ -80,7 +152,9 @@ class MetricsServer(ThreadingHTTPServer):
         host, port = address
         # IPv6 listen addresses work too (``[::1]:9464``); raises OSError (socket.gaierror) for a bad host.
         self.address_family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM)[0][0]
-        self.registry = registry
+        self.source = RegistryExposition(source) if isinstance(source, CollectorRegistry) else source
+        markdown = runbook_markdown()
+        self.runbook_md, self.runbook_html = markdown, runbook_html(markdown.decode("utf-8", "replace"))
         self.timeout_s = timeout_s
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
         self.max_waiting = max(8, min(max_waiting, (soft // 2) if soft > 0 else max_waiting))
@@ -298,7 +372,7 @@ class _Writer(io.RawIOBase):
 
 
 class _Handler(BaseHTTPRequestHandler):
-    """One request whose head the watcher has read; answers ``/metrics`` and ``/``."""
+    """One request whose head the watcher has read; answers ``/metrics``, ``/runbook`` and ``/``."""
 
     server: MetricsServer
     server_version = "canaryd"
@@ -320,19 +394,20 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _respond(self, send_body: bool) -> None:
         path = urlsplit(self.path).path
+        gzipped = False
         if path == "/metrics":
-            # the exposition format the scraper asked for (Prometheus text or OpenMetrics), as
-            # prometheus_client's own server chooses it
-            encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
-            body = encoder(self.server.registry)
+            # the exposition format the scraper asked for (Prometheus text or OpenMetrics)
+            gzipped = "gzip" in self.headers.get("Accept-Encoding", "").lower()
+            body, content_type = self.server.source.exposition(self.headers.get("Accept", ""), gzipped)
+        elif path == "/runbook":
+            body, content_type = self.server.runbook_html, "text/html; charset=utf-8"
+        elif path == "/runbook.md":
+            body, content_type = self.server.runbook_md, "text/markdown; charset=utf-8"
         elif path == "/":
             body, content_type = INDEX, "text/html; charset=utf-8"
         else:
-            self.send_error(404, "Not Found: try /metrics")
+            self.send_error(404, "Not Found: try /metrics or /runbook")
             return
-        gzipped = "gzip" in self.headers.get("Accept-Encoding", "").lower() and len(body) > 1024
-        if gzipped:
-            body = gzip.compress(body)
         self.send_response(200)
         self.send_header("Content-Type", content_type)
         if gzipped:

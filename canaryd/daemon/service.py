@@ -178,6 +178,7 @@ class Daemon:
                             self.metrics.record_failed(b, ids)
                         except Exception:
                             log.exception("backend_pass_failed_unrecorded", backend=b)
+            self.metrics.publish()  # render the pass once; scrapes serve it until the next
             self.metrics.schedule_last.labels(schedule).set(time.time())
         except Exception:
             log.exception("pass_failed")
@@ -241,7 +242,7 @@ class Daemon:
         """Listen, schedule, then READY. An address that cannot be listened on is a config error (exit 2)."""
         host, port = self.config.daemon.host_port
         try:
-            self.httpd = MetricsServer((host, port), self.metrics.registry)
+            self.httpd = MetricsServer((host, port), self.metrics)
         except OSError as e:
             why = e.strerror or str(e)
             raise InputError(
@@ -265,9 +266,10 @@ class Daemon:
                 )
                 if rows:
                     t = rows[0].started_at
-                    self.metrics.last_probe.labels(backend, canary).set(
-                        (t if t.tzinfo else t.replace(tzinfo=UTC)).timestamp()
+                    self.metrics.set_last_probe(
+                        backend, canary, (t if t.tzinfo else t.replace(tzinfo=UTC)).timestamp()
                     )
+        self.metrics.publish()
 
     def reload(self) -> bool:
         """Re-read the config; keep the old one running if the new one is invalid."""

@@ -1,20 +1,25 @@
 """The Prometheus alert rules follow the mixin conventions (promtool's checks of them are in
 tests/e2e/test_alert_rules.py).
 
-The checks here replicate mixtool's alert lint, tie every ``runbook_url`` to a heading of docs/runbook.md,
-and check every metric, label and enum value the rules (and the queries in their annotations) use against
-what ``canaryd.daemon.metrics.Metrics`` exports.
+The checks here replicate mixtool's alert lint, tie every ``runbook_url`` to a heading of the runbook the
+metrics server serves at ``/runbook``, check every metric, label and enum value the rules (and the queries
+in their annotations) use against what ``canaryd.daemon.metrics.Metrics`` exports, and hold the generated
+rules file to its template and job selector (``prometheus/build_rules.py``).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import re
+import subprocess
+import sys
 from functools import cache
 from pathlib import Path
 
 import pytest
 import yaml
 
+from canaryd.daemon.httpserver import runbook_html, runbook_markdown
 from canaryd.judge.verdicts import Verdict
 from canaryd.observation import ErrorKind
 
@@ -22,7 +27,14 @@ REPO = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml"
 RULES = REPO / "prometheus" / "canaryd-alerts.yml"
 RULE_TESTS = REPO / "prometheus" / "canaryd-alerts.test.yml"
 RUNBOOK = REPO / "docs" / "runbook.md"
-RUNBOOK_URL = "https://github.com/canaryd/canaryd/blob/main/docs/runbook.md#"
+# Served by the canaryd that raised the alert (the runbook of its version); a canaryd that cannot be
+# reached cannot serve it, so its own alerts link online.
+RUNBOOK_URL = "http://{{ $labels.instance }}/runbook#"
+FALLBACK_URL = "https://github.com/canaryd/canaryd/blob/main/docs/runbook.md#"
+UNREACHABLE = {"CanarydDown", "CanarydTargetMissing"}
+_spec = importlib.util.spec_from_file_location("build_rules", REPO / "prometheus" / "build_rules.py")
+build_rules = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(build_rules)
 
 # Series Prometheus itself adds to every scrape, and the labels it attaches to canaryd's series.
 SYNTHETIC_METRICS = {"up"}
@@ -97,7 +109,7 @@ def test_alert_style(name: str) -> None:
     assert "{{" not in ann["summary"], "summary must be static (it heads grouped notifications)"
     assert re.fullmatch(r"[A-Z].+\.", ann["summary"]), "summary: a sentence, capitalised, ending in a period"
     assert re.search(r"\{\{.*\}\}", ann["description"]), "description must be templated"
-    assert ann["runbook_url"] == RUNBOOK_URL + name.lower()
+    assert ann["runbook_url"] == (FALLBACK_URL if name in UNREACHABLE else RUNBOOK_URL) + name.lower()
 
 
 def _github_anchor(heading: str) -> str:
@@ -108,6 +120,9 @@ def _github_anchor(heading: str) -> str:
 def test_runbook_sections_match_alerts() -> None:
     headings = re.findall(r"^#{1,6}\s+(.+?)\s*#*\s*$", RUNBOOK.read_text(), flags=re.M)
     anchors = {_github_anchor(h) for h in headings}
+    # the runbook /runbook serves (package data) is this one, with these anchors as HTML ids
+    assert runbook_markdown() == RUNBOOK.read_bytes()
+    assert set(re.findall(r'<h\d id="([^"]+)"', runbook_html(RUNBOOK.read_text()).decode())) == anchors
     missing = [
         a["alert"] for a in _alerts() if a["annotations"]["runbook_url"].split("#", 1)[1] not in anchors
     ]
@@ -137,7 +152,7 @@ def _exported() -> dict[str, set[str]]:
     """Every series name canaryd exports (as Prometheus sees it), with its label names."""
     from prometheus_client.metrics import MetricWrapperBase
 
-    from canaryd.daemon.metrics import Metrics
+    from canaryd.daemon.metrics import PAIR_FAMILIES, Metrics
 
     m = Metrics()
     suffixes = {
@@ -153,7 +168,9 @@ def _exported() -> dict[str, set[str]]:
         labels = set(metric._labelnames)  # the constructor's labelnames
         for suffix in suffixes[metric._type]:
             out[metric._name + suffix] = labels | ({"le"} if suffix == "_bucket" else set())
-    assert "canaryd_canary_verdicts_total" in out and "canaryd_canary_verdict" in out
+    for name, _, attr in PAIR_FAMILIES:
+        out[name] = {"backend", "canary"} | ({"verdict"} if attr == "verdict" else set())
+    assert "canaryd_backend_probes_total" in out and "canaryd_canary_verdict" in out
     return out
 
 
@@ -238,3 +255,45 @@ def test_promql_scanner() -> None:
     assert names == {"canaryd_canary_verdict", "canaryd_canary_probes_total", "up"}
     assert matchers == [("canaryd_canary_verdict", "verdict", "logprob-drift")]
     assert grouping == {"backend"}
+
+
+# -- the generated rules file and its job selector ---------------------------------------------------------
+
+
+def test_committed_rules_are_generated() -> None:
+    r = subprocess.run(
+        [sys.executable, str(REPO / "prometheus" / "build_rules.py"), "--check"],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, f"stale rules, run python prometheus/build_rules.py\n{r.stderr}"
+
+
+def test_every_selector_carries_the_job_selector() -> None:
+    """Each canaryd series and ``up``, in every expr and annotation query, is selected by the selector, so
+    another selector makes rules for another job and nothing of the default one is left."""
+    other = yaml.safe_load(build_rules.render('job="llm-canaries", env="prod"'))
+    rules = [r for g in other["groups"] for r in g["rules"]]
+    selectors = 0
+    for rule in rules:
+        for where, query in _queries(rule):
+            assert 'job="canaryd"' not in query, f"{rule['alert']} {where}"
+            for metric, body in re.findall(r"\b(canaryd_\w+|up)\s*(\{[^}]*\})?", query):
+                assert body.startswith('{job="llm-canaries", env="prod"'), (
+                    f"{rule['alert']} {where}: {metric}"
+                )
+                selectors += 1
+    assert selectors > len(rules)
+
+
+def test_selector_is_checked() -> None:
+    for bad in ("", 'job=~"a%"', "job=`x`"):
+        with pytest.raises(ValueError, match="--selector"):
+            build_rules.render(bad)
+    assert build_rules.main(["--selector", "", "--check"]) == 2
+
+
+def test_a_vanished_target_is_covered() -> None:
+    """``up == 0`` needs a target; an absent()-style alert covers one that service discovery dropped."""
+    expr = _alert("CanarydTargetMissing")["expr"]
+    assert "absent(up{" in expr and "unless up{" in expr
