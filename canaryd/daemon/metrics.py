@@ -21,11 +21,12 @@ a label of 128; the full value stays in the database).
 
 from __future__ import annotations
 
-import gzip
 import hashlib
+import struct
 import sys
 import threading
 import time
+import zlib
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -56,6 +57,7 @@ MARK = "…"  # where a label value too long for its series was cut
 HASH_CHARS = 10  # hex digits of the whole value's hash kept after the mark: two long values stay distinct
 EOF = b"# EOF\n"  # OpenMetrics' last line
 GZIP_LEVEL = 6  # zlib's default: a few times faster than gzip's 9, barely larger
+GZIP_HEADER = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff"  # deflate, no name, no mtime, OS unknown
 # The per canary × backend families: (name, help, _Pair attribute). canaryd_canary_verdict carries the
 # current verdict as a label, one series per pair (value 1), so alerts and panels select it by name.
 PAIR_FAMILIES = (
@@ -108,15 +110,43 @@ class _Pair:
     last_probe: float | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class _Cache:
-    """The per-pass part of the exposition, in both formats, plain and gzipped (gzip members concatenate:
-    a scrape's body is the live part's member followed by these)."""
+def _deflate(data: bytes, final: bool) -> bytes:
+    """Raw deflate blocks of ``data``: sync-flushed (more blocks may follow) or final."""
+    z = zlib.compressobj(GZIP_LEVEL, zlib.DEFLATED, -zlib.MAX_WBITS)
+    return z.compress(data) + z.flush(zlib.Z_FINISH if final else zlib.Z_SYNC_FLUSH)
 
-    text: bytes = b""
-    openmetrics: bytes = EOF
-    text_gz: bytes = b""
-    openmetrics_gz: bytes = gzip.compress(EOF)
+
+@dataclass(frozen=True)
+class _Tail:
+    """The per-pass end of a body, plain and as final deflate blocks compressed once per pass."""
+
+    plain: bytes
+    deflated: bytes
+
+    @classmethod
+    def of(cls, plain: bytes) -> _Tail:
+        return cls(plain, _deflate(plain, final=True))
+
+    def after(self, head: bytes, gzipped: bool) -> bytes:
+        """``head`` + this tail, as ONE gzip member when ``gzipped``: many clients (Python's zlib-based
+        ones among them) read only the first member of a multi-member body. Only the small head is
+        compressed per scrape; the CRC covers the whole body (zlib.crc32 runs at GB/s)."""
+        if not gzipped:
+            return head + self.plain
+        crc = zlib.crc32(self.plain, zlib.crc32(head))
+        size = (len(head) + len(self.plain)) & 0xFFFFFFFF
+        return GZIP_HEADER + _deflate(head, final=False) + self.deflated + struct.pack("<II", crc, size)
+
+
+@dataclass(frozen=True)
+class _Cache:
+    """The per-pass part of the exposition in both formats (a scrape puts the live part before it)."""
+
+    text: _Tail
+    openmetrics: _Tail
+
+
+_EMPTY = _Cache(_Tail.of(b""), _Tail.of(EOF))  # before the first pass
 
 
 class _PairCollector:
@@ -159,7 +189,7 @@ class Metrics:
         self._lock = threading.RLock()  # passes of several schedules record at once
         self._publishing = threading.Lock()  # publishes in turn: a slow one never replaces a newer cache
         self._pairs: dict[tuple[str, str], _Pair] = {}
-        self._cache = _Cache()
+        self._cache = _EMPTY
         live, per_pass = self._live, self._per_pass
 
         self._add(live, ProcessCollector(registry=None))  # process_resident_memory_bytes & co
@@ -447,13 +477,8 @@ class Metrics:
                 pairs = self._render_pairs()
                 text = generate_latest(self._per_pass)
                 om = openmetrics.generate_latest(self._per_pass)[: -len(EOF)]
-            pairs_gz = gzip.compress(pairs, GZIP_LEVEL)
-            self._cache = _Cache(  # one assignment: a scrape sees the old cache or the new one, whole
-                text + pairs,
-                om + pairs + EOF,
-                gzip.compress(text, GZIP_LEVEL) + pairs_gz,
-                gzip.compress(om, GZIP_LEVEL) + pairs_gz + gzip.compress(EOF),
-            )
+            # one assignment: a scrape sees the old cache or the new one, whole
+            self._cache = _Cache(_Tail.of(text + pairs), _Tail.of(om + pairs + EOF))
 
     def _render_pairs(self) -> bytes:
         """The pair families by hand: prometheus_client's generic writer costs ~20 µs a series, this ~1."""
@@ -475,12 +500,6 @@ class Metrics:
         pass. OpenMetrics if the scraper accepts it (as Prometheus does), else the text format 0.0.4."""
         cache = self._cache
         if "application/openmetrics-text" in accept:
-            live, ctype = (
-                openmetrics.generate_latest(self._live)[: -len(EOF)],
-                openmetrics.CONTENT_TYPE_LATEST,
-            )
-            rest = cache.openmetrics_gz if gzipped else cache.openmetrics
-        else:
-            live, ctype = generate_latest(self._live), CONTENT_TYPE_PLAIN_0_0_4
-            rest = cache.text_gz if gzipped else cache.text
-        return (gzip.compress(live, GZIP_LEVEL) if gzipped else live) + rest, ctype
+            live = openmetrics.generate_latest(self._live)[: -len(EOF)]
+            return cache.openmetrics.after(live, gzipped), openmetrics.CONTENT_TYPE_LATEST
+        return cache.text.after(generate_latest(self._live), gzipped), CONTENT_TYPE_PLAIN_0_0_4

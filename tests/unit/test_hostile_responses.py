@@ -548,7 +548,8 @@ def test_one_hostile_answer_costs_one_observation(lab, name, canary, hostile, ki
     healthy_series(text, "fake", others)
     labels = f'backend="fake",canary="{canary}"'
     assert f"canaryd_canary_probe_success{{{labels}}} 0.0" in text
-    assert f'canaryd_canary_probe_failures_total{{{labels},reason="{kind}"}} 1.0' in text
+    assert f'canaryd_canary_verdict{{{labels},verdict="error"}} 1.0' in text
+    assert f'canaryd_backend_probe_failures_total{{backend="fake",reason="{kind}"}} 1.0' in text
 
     # the server behaves again: identical to the untouched baseline
     fake.hostile.clear()
@@ -577,9 +578,8 @@ def test_a_judging_bug_is_that_canarys_internal_error(lab, monkeypatch):
     assert rows(lab)["baseline"] == before["baseline"]
     text = exposition(run)
     healthy_series(text, "fake", ["add", "colors"])
-    assert (
-        'canaryd_canary_probe_failures_total{backend="fake",canary="capital",reason="internal"} 1.0' in text
-    )
+    assert 'canaryd_canary_verdict{backend="fake",canary="capital",verdict="error"} 1.0' in text
+    assert 'canaryd_backend_probe_failures_total{backend="fake",reason="internal"} 1.0' in text
 
 
 def test_a_sending_bug_is_that_canarys_internal_error(lab, monkeypatch):
@@ -694,8 +694,12 @@ def test_one_backends_failure_leaves_every_other_backends_series(tmp_path, monke
         for c in IDS:
             labels = f'backend="{b}",canary="{c}"'
             assert f"canaryd_canary_probe_success{{{labels}}} 0.0" in text
-            assert f'canaryd_canary_probe_failures_total{{{labels},reason="internal"}} 2.0' in text
             assert f'canaryd_canary_verdict{{{labels},verdict="error"}} 1.0' in text
+        # two passes of every canary, each a failure by its reason
+        assert (
+            f'canaryd_backend_probe_failures_total{{backend="{b}",reason="internal"}} {2.0 * len(IDS)}'
+            in text
+        )
         # CanarydProbesFailing: probe_success == 0 unless the backend is unreachable; nothing says it is
         assert f'canaryd_backend_reachable{{backend="{b}"}} 0.0' not in text
     assert 'canaryd_schedule_last_run_timestamp_seconds{schedule="fast"}' in text

@@ -6,6 +6,7 @@ import http.client
 import re
 import threading
 import time
+import zlib
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -169,6 +170,9 @@ def test_cached_exposition_is_what_the_registry_holds(accept):
     body, ctype = m.exposition(accept)
     gz, gz_type = m.exposition(accept, gzipped=True)
     assert gzip.decompress(gz) == body and gz_type == ctype
+    # one gzip member, not several: clients built on zlib (Python's among them) stop after the first
+    one = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    assert one.decompress(gz) == body and one.eof and not one.unused_data
     if accept:
         assert ctype.startswith("application/openmetrics-text") and body.endswith(b"# EOF\n")
         got = _samples(body.decode(), parse_openmetrics)
