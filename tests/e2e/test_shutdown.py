@@ -134,6 +134,6 @@ def test_a_canary_left_unsent_by_the_stop_leaves_the_series_alone():
     m.record(BackendRun("b", "openai", 1, [Result(1, 1, obs, Comparison(Verdict.ERROR, None))], {}))
     m.record(BackendRun("b", "openai", 2, [], {}, BackendUnavailable(ErrorKind.STOPPED, "not probed")))
     sample = m.registry.get_sample_value
-    assert sample("canaryd_canary_probes_total", {"backend": "b", "canary": "add"}) is None
+    assert sample("canaryd_backend_probes_total", {"backend": "b"}) == 0  # nothing was sent
     assert sample("canaryd_canary_verdict", {"backend": "b", "canary": "add", "verdict": "error"}) is None
     assert sample("canaryd_backend_reachable", {"backend": "b"}) == 1  # from the first run, kept

@@ -250,9 +250,9 @@ def test_alerts_fire_on_every_drift_verdict_and_no_other() -> None:
 def test_promql_scanner() -> None:
     names, matchers, grouping = _parse_promql(
         'count by (backend) (canaryd_canary_verdict{verdict="logprob-drift"} == 1) > 0 '
-        "unless on (backend) (rate(canaryd_canary_probes_total[5m] offset 1m) > bool 0) or up"
+        "unless on (backend) (rate(canaryd_backend_probes_total[5m] offset 1m) > bool 0) or up"
     )
-    assert names == {"canaryd_canary_verdict", "canaryd_canary_probes_total", "up"}
+    assert names == {"canaryd_canary_verdict", "canaryd_backend_probes_total", "up"}
     assert matchers == [("canaryd_canary_verdict", "verdict", "logprob-drift")]
     assert grouping == {"backend"}
 
