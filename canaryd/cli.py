@@ -21,9 +21,12 @@ from typing import Annotated
 import typer
 
 from canaryd.commands import (
+    JsonFlag,
     State,
     WholeHelpGroup,
+    baseline,
     console,
+    db,
     emit,
     hoist_global_options,
     load,
@@ -43,11 +46,6 @@ app = typer.Typer(
     rich_markup_mode=None,
     cls=WholeHelpGroup,
 )
-baseline_app = typer.Typer(
-    help="Manage baselines.", no_args_is_help=True, rich_markup_mode=None, cls=WholeHelpGroup
-)
-app.add_typer(baseline_app, name="baseline")
-JsonFlag = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
 # Commands whose work never logs: they set up logging (and import structlog) only if something does.
 _QUIET = ("validate", "init")
 
@@ -413,99 +411,6 @@ def stack(
     show_stacks(stacks, as_json, console())
 
 
-@baseline_app.command("accept")
-def baseline_accept(
-    ctx: typer.Context,
-    backend: Annotated[str | None, typer.Option(help="Only this backend.")] = None,
-    canary: Annotated[
-        str | None, typer.Option(help="Only this canary (a chained one: all its steps).")
-    ] = None,
-    as_json: JsonFlag = False,
-) -> None:
-    """Make the latest successful observation the baseline (after an intended change)."""
-    from canaryd.report.console import show_accepted
-
-    cfg = load(ctx)
-    if backend is not None:
-        cfg.backend(backend)
-    with store_of(cfg) as store:
-        accepted = store.accept_latest(backend, canary)
-        # a noise model measured on the old stack would call the new one "out" forever
-        dropped = store.drop_calibrations([(a.backend, a.canary_id) for a in accepted])
-    show_accepted(accepted, dropped, as_json)
-    if not accepted:
-        raise InputError("baseline accept: no successful observation matches; run `canaryd probe` first")
-
-
-@baseline_app.command("calibrate")
-def baseline_calibrate(
-    ctx: typer.Context,
-    backend: Annotated[str | None, typer.Option(help="Only this backend.")] = None,
-    canary: Annotated[
-        list[str] | None,
-        typer.Option("--canary", metavar="ID", help="A canary id (repeatable; default: all)."),
-    ] = None,
-    k: Annotated[
-        int | None, typer.Option("-k", help="Probes per canary (default: calibration_k in [compare]).")
-    ] = None,
-    batch_sizes: Annotated[
-        str | None,
-        typer.Option(help="Load levels, e.g. 1,8 (default: calibration_batch_sizes in [compare])."),
-    ] = None,
-    as_json: JsonFlag = False,
-) -> None:
-    """Learn each canary's honest noise (K probes, alone and in crowded batches); exit 1 if a baseline
-    lies outside it."""
-    from canaryd.probe.calibrate import calibrate_config
-    from canaryd.probe.census import parse_batch_sizes
-    from canaryd.progress import shown
-    from canaryd.report.console import show_calibration
-
-    cfg = load(ctx)
-    if backend is not None:
-        cfg.backend(backend)  # an unknown name is an InputError, before a bad --batch-sizes
-    sizes = parse_batch_sizes(batch_sizes) if batch_sizes is not None else None
-    with shown("calibrating", "canaries", enabled=show_progress(as_json)):
-        report = calibrate_config(cfg, backend=backend, canary_ids=canary, k=k, batch_sizes=sizes)
-    show_calibration(report, as_json, console())
-    raise typer.Exit(report.exit_code)
-
-
-db_app = typer.Typer(
-    help="The history database's schema (Alembic migrations).",
-    no_args_is_help=True,
-    rich_markup_mode=None,
-    cls=WholeHelpGroup,
-)
-app.add_typer(db_app, name="db")
-
-
-@db_app.command("upgrade")
-def db_upgrade(ctx: typer.Context, as_json: JsonFlag = False) -> None:
-    """Migrate the database to this canaryd's schema (every command and the daemon also do it at start)."""
-    from canaryd.report.console import show_migration
-    from canaryd.store import upgrade_database
-
-    show_migration(*upgrade_database(load(ctx)), as_json=as_json)
-
-
-@db_app.command("current")
-def db_current(
-    ctx: typer.Context,
-    check: Annotated[bool, typer.Option("--check", help="Exit 1 unless the database is at head.")] = False,
-    as_json: JsonFlag = False,
-) -> None:
-    """Print the database's schema revision (changes nothing; a missing database is an error, exit 2)."""
-    from canaryd.report.console import show_revision
-    from canaryd.store import existing_revision
-    from canaryd.store.engine import SCHEMA_REVISION, known_revisions
-
-    rev = existing_revision(load(ctx))
-    code = EXIT_DRIFT if check and rev != SCHEMA_REVISION else EXIT_OK
-    show_revision(rev, SCHEMA_REVISION, known_revisions(), code if as_json else None)
-    raise typer.Exit(code)
-
-
 @app.command()
 def init(
     path: Annotated[Path, typer.Argument(help="Where to write the config.")] = Path("canaryd.toml"),
@@ -537,6 +442,10 @@ def demo(
     from canaryd.demo import run_demo
 
     raise typer.Exit(run_demo(workdir, console()))
+
+
+app.add_typer(baseline.app, name="baseline")
+app.add_typer(db.app, name="db")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -12,7 +12,7 @@ import os
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from typer.core import TyperGroup
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from canaryd.config import Config
     from canaryd.store import Store
 
+JsonFlag = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
 # Global options, accepted before or after the subcommand (`hoist_global_options`).
 _GLOBAL_VALUED = ("-c", "--config", "--log-level")
 

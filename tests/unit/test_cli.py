@@ -1,10 +1,13 @@
 """The CLI as a user meets it: exit codes and one-line errors, never a traceback."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.unit.scripted_lab import PLAIN, ScriptedLab, scripted
 
 REPO = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
 
@@ -87,3 +90,183 @@ def test_unreadable_database_is_a_storage_error_exit_4(tmp_path):
     assert (
         p.returncode == 4 and p.stderr.startswith("canaryd: storage error:") and "Traceback" not in p.stderr
     )
+
+
+# -- help: every word the source wrote reaches the reader ---------------------------------------------------
+
+
+def _commands(group, path=()):
+    """Every command path of the click tree, the root included."""
+    yield path
+    for name, cmd in getattr(group, "commands", {}).items():
+        yield from _commands(cmd, (*path, name))
+
+
+def test_every_help_shows_every_word_and_no_flag_takes_a_value():
+    from typer.main import get_command
+    from typer.testing import CliRunner
+
+    from canaryd.cli import app
+
+    root = get_command(app)
+    runner = CliRunner()
+    paths = list(_commands(root))
+    assert len(paths) > 20
+    for path in paths:
+        shown = runner.invoke(app, [*path, "--help"], prog_name="canaryd", terminal_width=80).output
+        squeezed = "".join(shown.split())
+        cmd = root
+        for name in path:
+            cmd = cmd.commands[name]
+        where = f"canaryd {' '.join(path)} --help"
+        for p in cmd.params:
+            if getattr(p, "help", None):  # the help as written, whatever the wrapping
+                assert "".join(p.help.split()) in squeezed, f"{where}: {p.name}: {p.help!r} lost:\n{shown}"
+            if getattr(p, "is_flag", False):
+                assert f"{p.opts[0]} <" not in shown, f"{where}: the flag {p.opts[0]} shows a value"
+        if cmd.help:
+            assert "".join(cmd.help.split()) in squeezed, f"{where}: the description lost words"
+        for name, sub in getattr(cmd, "commands", {}).items():  # a summary per command, never cut with ...
+            assert "".join(sub.get_short_help_str(10_000).split()) in squeezed, f"{where}: {name} cut"
+        assert "<bool>" not in shown and "()" not in shown and "( " not in shown, f"{where}:\n{shown}"
+        assert shown.count("[") == shown.count("]"), f"{where}: unbalanced brackets:\n{shown}"
+    top = runner.invoke(app, ["--help"], prog_name="canaryd").output
+    assert "[default: warning; info for run]" in " ".join(top.split())
+
+
+# -- global options before or after the command; init into a directory ---------------------------------------
+
+
+def test_config_option_before_or_after_the_command(tmp_path):
+    assert canaryd("init", str(tmp_path)).returncode == 0
+    cfg = str(tmp_path / "canaryd.toml")
+    for args in (["-c", cfg, "validate"], ["validate", "-c", cfg], ["validate", f"--config={cfg}"]):
+        p = canaryd(*args, cwd=tmp_path.parent)
+        assert p.returncode == 0 and "13 canaries" in p.stdout, (args, p.stderr)
+
+
+def test_global_options_move_in_front_but_never_out_of_a_benchmark_command():
+    from canaryd.commands import hoist_global_options as hoist
+
+    assert hoist(["history", "-c", "a.toml", "--limit", "3"]) == ["-c", "a.toml", "history", "--limit", "3"]
+    assert hoist(["db", "current", "--config=a.toml"]) == ["--config=a.toml", "db", "current"]
+    assert hoist(["--log-level", "info", "validate"]) == ["--log-level", "info", "validate"]
+    pre = ["preflight", "--pin", "p", "-c", "a.toml", "--", "bench", "-c", "b"]
+    assert hoist(pre, ("preflight",)) == ["-c", "a.toml", "preflight", "--pin", "p", "--", "bench", "-c", "b"]
+    bare = ["preflight", "--pin", "p", "bench", "-c", "b"]
+    assert hoist(bare, ("preflight",)) == bare
+
+
+def test_init_into_an_existing_directory_refuses_only_to_overwrite(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    p = canaryd("init", str(tmp_path), "--json")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout) == {
+        "exit_code": 0,
+        "written": [str(tmp_path / "canaryd.toml"), str(tmp_path / "canaries" / "default.toml")],
+    }
+    (tmp_path / "canaryd.toml").write_text("# edited\n")
+    again = canaryd("init", str(tmp_path))
+    assert again.returncode == 2 and again.stderr.count("\n") == 1
+    assert str(tmp_path / "canaryd.toml") in again.stderr and "already exists" in again.stderr
+    assert (tmp_path / "canaryd.toml").read_text() == "# edited\n"  # untouched
+    assert canaryd("init", str(tmp_path), "--force").returncode == 0
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+# -- read-only commands never create or migrate a database --------------------------------------------------
+
+READERS = [
+    ["history"],
+    ["stack"],
+    ["diff", "1", "2"],
+    ["explain", "fake"],
+    ["record", "--run", "1"],
+    ["export", "--run", "1"],
+    ["db", "current"],
+    ["prune", "--older-than", "1d", "--dry-run"],
+]
+
+
+@pytest.mark.parametrize("args", READERS, ids=lambda a: a[0])
+def test_a_reader_never_creates_a_missing_database(tmp_path, args):
+    missing = tmp_path / "nonexistent" / "dir"
+    (tmp_path / "plain.toml").write_text(PLAIN)
+    cfg = tmp_path / "canaryd.toml"
+    cfg.write_text(f'suites = ["plain.toml"]\n[storage]\nurl = "sqlite:///{missing}/x.db"\n{scripted()}')
+    p = canaryd("-c", str(cfg), *args)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
+    assert "storage.url" in p.stderr and "no history database" in p.stderr
+    assert not (tmp_path / "nonexistent").exists()
+
+
+def test_a_reader_never_migrates_an_older_schema(tmp_path):
+    from canaryd.store.engine import revision
+    from tests.unit.test_migrations import upgrade_to
+
+    url = f"sqlite:///{tmp_path / 'canaryd.db'}"
+    upgrade_to(url, "0002")
+    (tmp_path / "plain.toml").write_text(PLAIN)
+    cfg = tmp_path / "canaryd.toml"
+    cfg.write_text(f'suites = ["plain.toml"]\n[storage]\nurl = "{url}"\n{scripted()}')
+    for args in (["history"], ["stack", "--json"]):
+        p = canaryd("-c", str(cfg), *args)
+        assert p.returncode == 4 and p.stderr.startswith("canaryd: storage error:"), p.stderr
+        assert "0002" in p.stderr and "canaryd db upgrade" in p.stderr
+    current = canaryd("-c", str(cfg), "db", "current", "--json")
+    assert json.loads(current.stdout) == {
+        "exit_code": 0,
+        "revision": "0002",
+        "head": "0003",
+        "state": "behind",
+    }
+    assert revision(url) == "0002"
+
+
+# -- one --json envelope; plain tables and no progress when piped -------------------------------------------
+
+
+def test_every_command_that_prints_has_one_json_envelope(tmp_path):
+    lab = ScriptedLab(tmp_path, scripted())
+    lab.close()
+    runs = [
+        ["validate", "--json"],
+        ["check", "--json"],
+        ["probe", "--json"],
+        ["history", "--json"],
+        ["stack", "--json"],
+        ["explain", "fake", "--json"],
+        ["diff", "1", "2", "--json"],
+        ["census", "-n", "2", "--batch-sizes", "1,2", "--json"],
+        ["baseline", "accept", "--json"],
+        ["baseline", "calibrate", "-k", "2", "--json"],
+        ["prune", "--older-than", "30d", "--dry-run", "--json"],
+        ["db", "current", "--json"],
+        ["db", "upgrade", "--json"],
+        ["history", "--backend", "nope", "--json", "--limit", "0"],  # a usage error: no envelope (click's)
+        ["baseline", "accept", "--backend", "nope", "--json"],  # an InputError: the envelope says why
+    ]
+    for args in runs:
+        p = lab.cli(*args)
+        if "--limit" in args:
+            assert p.returncode == 2 and p.stdout == ""
+            continue
+        doc = json.loads(p.stdout)
+        assert isinstance(doc, dict) and doc["exit_code"] == p.returncode, (args, p.stdout, p.stderr)
+        assert "\r" not in p.stderr, args  # no progress line when piped
+    history = json.loads(lab.cli("history", "--json").stdout)
+    assert {o["canary_id"] for o in history["observations"]} == {"add", "capital", "colors"}
+    bad = json.loads(lab.cli("baseline", "accept", "--backend", "nope", "--json").stdout)
+    assert bad["exit_code"] == 2 and "nope" in bad["error"]
+
+
+def test_piped_tables_are_plain_and_keep_whole_lines(tmp_path):
+    lab = ScriptedLab(tmp_path, scripted())
+    lab.close()
+    p = lab.cli("check")
+    assert p.returncode == 0, p.stderr
+    assert not set("┃━│─┏┡└╇") & set(p.stdout), p.stdout
+    rows = [line.split() for line in p.stdout.splitlines()]
+    assert rows[1][:3] == ["backend", "canary", "verdict"]
+    assert {r[1] for r in rows[2:]} == {"add", "capital", "colors"}
+    assert "\r" not in p.stderr
