@@ -81,7 +81,7 @@ def _main(
 
         logsetup.configure(log_level or "warning")
 
-    if ctx.invoked_subcommand in _QUIET:
+    if ctx.invoked_subcommand in _QUIET or State.help_asked:
         lazy.on_first_log(configure)
     else:
         configure()
@@ -100,15 +100,16 @@ def check(
     ] = None,
 ) -> None:
     """Probe, compare with the baselines, and exit 0/1/3 (the gate for CI and benchmark sessions)."""
-    from canaryd.probe.preflight import checked_pass
     from canaryd.progress import shown
-    from canaryd.report.console import show_pass
     from canaryd.report.pin import load_pin
 
     pinned = load_pin(pin) if pin is not None else None
-    cfg = load(ctx)
     with shown("probing", "canaries", enabled=show_progress(as_json)):
-        passed = checked_pass(cfg, backend, pinned, pin)
+        from canaryd.probe.preflight import checked_pass
+
+        passed = checked_pass(load(ctx), backend, pinned, pin)
+    from canaryd.report.console import show_pass
+
     show_pass(passed, as_json, console())
     raise typer.Exit(passed.exit_code)
 
@@ -120,13 +121,14 @@ def probe(
     as_json: JsonFlag = False,
 ) -> None:
     """Send every canary through every backend and record the observations (exit 3 if one was down)."""
-    from canaryd.probe.preflight import checked_pass
     from canaryd.progress import shown
+
+    with shown("probing", "canaries", enabled=show_progress(as_json)):
+        from canaryd.probe.preflight import checked_pass
+
+        passed = checked_pass(load(ctx), backend)
     from canaryd.report.console import show_pass
 
-    cfg = load(ctx)
-    with shown("probing", "canaries", enabled=show_progress(as_json)):
-        passed = checked_pass(cfg, backend)
     show_pass(passed, as_json, console())
     raise typer.Exit(EXIT_UNAVAILABLE if passed.exit_code == EXIT_UNAVAILABLE else EXIT_OK)
 
@@ -150,18 +152,19 @@ def census_cmd(
     ] = False,
 ) -> None:
     """Nondeterminism census: N identical probes per canary, alone and in crowded batches (nothing stored)."""
-    from canaryd.probe.census import parse_batch_sizes, take_census
     from canaryd.progress import shown
-    from canaryd.report.console import show_census
 
-    sizes = parse_batch_sizes(batch_sizes)
     if not 1 <= requests <= 100_000:
         raise InputError(f"--requests: {requests} is not from 1 to 100000")
-    cfg = load(ctx)
-    with shown("census:", "probes", enabled=show_progress(as_json)):
+    with shown("census:", "probes", enabled=show_progress(as_json)):  # shown before the heavy imports
+        from canaryd.probe.census import parse_batch_sizes, take_census
+
+        sizes = parse_batch_sizes(batch_sizes)
         report = take_census(
-            cfg, backend=backend, canary_ids=canary, requests=requests, sizes=sizes, strict=strict
+            load(ctx), backend=backend, canary_ids=canary, requests=requests, sizes=sizes, strict=strict
         )
+    from canaryd.report.console import show_census
+
     show_census(report, as_json, console(), output)
     raise typer.Exit(report.exit_code)
 
@@ -453,7 +456,8 @@ def main(argv: list[str] | None = None) -> None:
 
     private_umask()  # what canaryd creates (history, WAL, exports, pins, records) is its owner's alone
     args = hoist_global_options(sys.argv[1:] if argv is None else argv, runs_a_command=("preflight",))
-    as_json = "--json" in args[: args.index("--") if "--" in args else None]
+    own = args[: args.index("--") if "--" in args else None]  # canaryd's own, not a benchmark's
+    as_json, State.help_asked = "--json" in own, "--help" in own
     try:
         app(args, prog_name="canaryd")  # usage errors exit 2 and typer.Exit(code) exits with code
     except InputError as e:

@@ -30,6 +30,11 @@ class Line:
         self._drawn = 0.0
         self._width = 0
 
+    def announce(self) -> None:
+        """``{verb} …`` at once, before the command's imports and set-up (then `begin` counts)."""
+        with self._lock:
+            self._write(f"{self.verb} …")
+
     def begin(self, total: int, target: str = "") -> None:
         """Start counting ``total`` units of work (on ``target``: a backend's name) and draw at once."""
         with self._lock:
@@ -44,7 +49,9 @@ class Line:
 
     def _draw(self) -> None:
         on = f" on {self.target}" if self.target else ""
-        text = f"{self.verb} {self.done}/{self.total} {self.noun}{on}"
+        self._write(f"{self.verb} {self.done}/{self.total} {self.noun}{on}")
+
+    def _write(self, text: str) -> None:
         self.stream.write("\r" + text.ljust(self._width))
         self.stream.flush()
         self._width, self._drawn = len(text), time.monotonic()
@@ -82,6 +89,7 @@ def shown(verb: str, noun: str, *, enabled: bool = True, stream: TextIO | None =
         yield
         return
     line = _current = Line(stream, verb, noun)
+    line.announce()
     try:
         yield
     finally:

@@ -47,6 +47,7 @@ class WholeHelpGroup(TyperGroup):
 class State:
     config_path: Path | None = None
     log_level: str | None = None
+    help_asked = False  # `--help` anywhere: nothing runs, so nothing logs
 
 
 def hoist_global_options(argv: Sequence[str], runs_a_command: Sequence[str] = ()) -> list[str]:

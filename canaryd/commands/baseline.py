@@ -55,16 +55,18 @@ def calibrate(
 ) -> None:
     """Learn each canary's honest noise (K probes, alone and in crowded batches); exit 1 if a baseline
     lies outside it."""
-    from canaryd.probe.calibrate import calibrate_config
-    from canaryd.probe.census import parse_batch_sizes
     from canaryd.progress import shown
+
+    with shown("calibrating", "canaries", enabled=show_progress(as_json)):  # before the heavy imports
+        from canaryd.probe.calibrate import calibrate_config
+        from canaryd.probe.census import parse_batch_sizes
+
+        cfg = load(ctx)
+        if backend is not None:
+            cfg.backend(backend)  # an unknown name is an InputError, before a bad --batch-sizes
+        sizes = parse_batch_sizes(batch_sizes) if batch_sizes is not None else None
+        report = calibrate_config(cfg, backend=backend, canary_ids=canary, k=k, batch_sizes=sizes)
     from canaryd.report.console import show_calibration
 
-    cfg = load(ctx)
-    if backend is not None:
-        cfg.backend(backend)  # an unknown name is an InputError, before a bad --batch-sizes
-    sizes = parse_batch_sizes(batch_sizes) if batch_sizes is not None else None
-    with shown("calibrating", "canaries", enabled=show_progress(as_json)):
-        report = calibrate_config(cfg, backend=backend, canary_ids=canary, k=k, batch_sizes=sizes)
     show_calibration(report, as_json, console())
     raise typer.Exit(report.exit_code)
