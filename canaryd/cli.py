@@ -129,8 +129,9 @@ def probe(
         passed = checked_pass(load(ctx), backend)
     from canaryd.report.console import show_pass
 
-    show_pass(passed, as_json, console())
-    raise typer.Exit(EXIT_UNAVAILABLE if passed.exit_code == EXIT_UNAVAILABLE else EXIT_OK)
+    code = EXIT_UNAVAILABLE if passed.exit_code == EXIT_UNAVAILABLE else EXIT_OK
+    show_pass(passed, as_json, console(), exit_code=code)
+    raise typer.Exit(code)
 
 
 @app.command("census")

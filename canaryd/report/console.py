@@ -42,11 +42,14 @@ def _err(line: str) -> None:
     print(line, file=sys.stderr)
 
 
-def show_pass(check: PassCheck, as_json: bool, console: Console) -> None:
-    """A probe pass (``check``, ``probe``, ``preflight``) and its pin check, as tables or JSON; the first
-    backend failure on stderr."""
+def show_pass(check: PassCheck, as_json: bool, console: Console, exit_code: int | None = None) -> None:
+    """A probe pass (``check``, ``probe``, ``preflight``) and its pin check, as tables or JSON (whose
+    ``exit_code`` is the command's: ``probe`` exits 0 on drift); the first backend failure on stderr."""
     if as_json:
-        print(json.dumps(check.as_dict(), indent=2))
+        doc = check.as_dict()
+        if exit_code is not None:
+            doc["exit_code"] = exit_code
+        print(json.dumps(doc, indent=2))
         return
     print_tables(console, results_table(check.results), stack_changes_table(check.results))
     pin = check.pin

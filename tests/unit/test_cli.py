@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.scripted_lab import PLAIN, ScriptedLab, scripted
+from tests.unit.scripted_lab import PLAIN, ScriptedLab, change, scripted
 
 REPO = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
 
@@ -270,3 +270,15 @@ def test_piped_tables_are_plain_and_keep_whole_lines(tmp_path):
     assert rows[1][:3] == ["backend", "canary", "verdict"]
     assert {r[1] for r in rows[2:]} == {"add", "capital", "colors"}
     assert "\r" not in p.stderr
+
+
+def test_the_envelope_carries_the_commands_own_exit_code_on_drift(tmp_path):
+    body = change(at=2, canaries=["add"], text="43")
+    lab = ScriptedLab(tmp_path, scripted(cycle_file=tmp_path / "cycles", body=body))
+    lab.close()
+    assert lab.cli("check").returncode == 0  # cycle 1: the baselines
+    for args, code in ((["probe", "--json"], 0), (["check", "--json"], 1)):  # probe records drift, exits 0
+        p = lab.cli(*args)
+        doc = json.loads(p.stdout)
+        assert p.returncode == code and doc["exit_code"] == code, (args, p.stderr)
+        assert {r["canary"]: r["verdict"] for r in doc["results"]}["add"] != "identical"
