@@ -200,6 +200,16 @@ def test_a_reader_never_creates_a_missing_database(tmp_path, args):
     assert not (tmp_path / "nonexistent").exists()
 
 
+def test_a_reader_names_the_state_dir_it_found_no_database_in(tmp_path):
+    (tmp_path / "plain.toml").write_text(PLAIN)
+    (tmp_path / "file").write_text("not a directory")
+    cfg = tmp_path / "canaryd.toml"
+    cfg.write_text(f'state_dir = "file/state"\nsuites = ["plain.toml"]\n{scripted()}')
+    p = canaryd("-c", str(cfg), "history")
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
+    assert f"state_dir {tmp_path / 'file' / 'state'}: no history database" in p.stderr
+
+
 def test_a_reader_never_migrates_an_older_schema(tmp_path):
     from canaryd.store.engine import revision
     from tests.unit.test_migrations import upgrade_to
