@@ -15,6 +15,7 @@ it exits with the command's own exit code.
 from __future__ import annotations
 
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Annotated
 
@@ -76,15 +77,9 @@ def _main(
         raise InputError(f"--log-level: unknown level {log_level!r} (debug, info, warning, error)")
     from canaryd import lazy
 
-    def configure() -> None:
-        from canaryd import log as logsetup
-
-        logsetup.configure(log_level or "warning")
-
-    if ctx.invoked_subcommand in _QUIET or State.help_asked:
-        lazy.on_first_log(configure)
-    else:
-        configure()
+    lazy.on_first_log(partial(_configure_logging, log_level or "warning"))
+    if ctx.invoked_subcommand not in _QUIET and not State.help_asked:
+        lazy.set_up_logging()  # now: the command's modules log through structlog directly
     ctx.obj = State()
     ctx.obj.config_path, ctx.obj.log_level = config, log_level
 
@@ -177,10 +172,14 @@ def pin_cmd(
     out_file: Annotated[Path | None, typer.Option("--out", help="Write here (default: stdout).")] = None,
 ) -> None:
     """Probe once and write each backend's stack as it is now: a lock file for `check --pin`/`preflight`."""
-    from canaryd.probe.preflight import take_pin
+    from canaryd.progress import shown
+
+    with shown("probing", "canaries"):  # stderr only: the pin itself may go to stdout
+        from canaryd.probe.preflight import take_pin
+
+        taken = take_pin(load(ctx), backend)
     from canaryd.report.console import show_pin
 
-    taken = take_pin(load(ctx), backend)
     show_pin(taken, out_file)
     raise typer.Exit(taken.exit_code)
 
@@ -201,8 +200,6 @@ def preflight(
     Refuses to start COMMAND (exit 1) on any drift verdict or moved pin field, exit 3 if a backend is
     unreachable; otherwise exits with COMMAND's exit code. Tables go to stderr: stdout is COMMAND's.
     """
-    from functools import partial
-
     from canaryd.probe.preflight import run_preflight
     from canaryd.report.console import show_pass, show_preflight
     from canaryd.report.pin import load_pin
@@ -452,8 +449,17 @@ app.add_typer(baseline.app, name="baseline")
 app.add_typer(db.app, name="db")
 
 
+def _configure_logging(level: str) -> None:
+    from canaryd import log as logsetup
+
+    logsetup.configure(level)
+
+
 def main(argv: list[str] | None = None) -> None:
+    from canaryd import lazy
     from canaryd.files import private_umask
+
+    lazy.on_first_log(partial(_configure_logging, "warning"))  # until the options say otherwise
 
     private_umask()  # what canaryd creates (history, WAL, exports, pins, records) is its owner's alone
     args = hoist_global_options(sys.argv[1:] if argv is None else argv, runs_a_command=("preflight",))
@@ -469,9 +475,7 @@ def main(argv: list[str] | None = None) -> None:
         sqlalchemy = sys.modules.get("sqlalchemy.exc")  # imported by whatever raised it, if anything did
         if sqlalchemy is not None and isinstance(e, sqlalchemy.SQLAlchemyError):
             _fail(EXIT_INTERNAL, "canaryd: storage error", str(e).splitlines()[0], as_json)
-        import structlog
-
-        structlog.get_logger("canaryd").debug("internal_error", exc_info=True)
+        lazy.Logger("canaryd").debug("internal_error", exc_info=True)
         _fail(EXIT_INTERNAL, "canaryd: internal error", f"{e.__class__.__name__}: {e}", as_json)
 
 

@@ -34,9 +34,18 @@ def lazy_import(name: str) -> ModuleType:
 
 
 def on_first_log(configure: Callable[[], None]) -> None:
-    """Run ``configure`` (the CLI's logging set-up) before a `Logger` logs for the first time."""
+    """Run ``configure`` (the CLI's logging set-up) before a `Logger` logs for the first time (or at
+    `set_up_logging`); a later call replaces a set-up still pending."""
     global _before_first_log
     _before_first_log = configure
+
+
+def set_up_logging() -> None:
+    """Run the pending set-up now (for commands whose modules log through structlog directly)."""
+    global _before_first_log
+    configure, _before_first_log = _before_first_log, None
+    if configure is not None:
+        configure()
 
 
 class Logger:
@@ -46,10 +55,7 @@ class Logger:
         self._name = name
 
     def __getattr__(self, attr: str) -> Any:
-        global _before_first_log
-        configure, _before_first_log = _before_first_log, None
-        if configure is not None:
-            configure()
+        set_up_logging()
         import structlog
 
         return getattr(structlog.get_logger(self._name), attr)
