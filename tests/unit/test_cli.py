@@ -292,3 +292,29 @@ def test_the_envelope_carries_the_commands_own_exit_code_on_drift(tmp_path):
         doc = json.loads(p.stdout)
         assert p.returncode == code and doc["exit_code"] == code, (args, p.stderr)
         assert {r["canary"]: r["verdict"] for r in doc["results"]}["add"] != "identical"
+
+
+def test_help_version_and_validate_import_only_what_they_use(tmp_path):
+    """Issue #16: the CPU figures are bench/cli_startup.py's; here, what must stay unimported."""
+    assert canaryd("init", str(tmp_path)).returncode == 0
+    heavy = ["sqlalchemy", "httpx2", "httpcore2", "numpy", "structlog", "rich", "canaryd.store"]
+    for args in (["--help"], ["history", "--help"], ["-c", str(tmp_path / "canaryd.toml"), "validate"]):
+        code = (
+            "import sys\nfrom canaryd.cli import main\n"
+            "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+            # a module canaryd.lazy imports stays a _LazyModule until its first use
+            f"loaded = [m for m in {heavy!r} if type(sys.modules.get(m)).__name__ == 'module']\n"
+            "print('LOADED', loaded)"
+        )
+        p = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60)
+        assert "LOADED []" in p.stdout, (args, p.stdout[-300:], p.stderr)
+
+
+def test_validate_still_checks_each_kinds_own_settings(tmp_path):
+    cfg = tmp_path / "canaryd.toml"
+    cfg.write_text(
+        f"suites = ['{REPO / 'canaries/default.toml'}']\n[[backends]]\nname='o'\nkind='openai'\n"
+        "base_url='http://127.0.0.1:9/v1'\nmodel='m'\ntimeout_s='soon'\n"
+    )
+    p = canaryd("validate", "-c", str(cfg))
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "backends[0].timeout_s" in p.stderr, p.stderr
