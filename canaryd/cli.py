@@ -21,6 +21,7 @@ from typing import Annotated
 
 import typer
 
+from canaryd import __version__
 from canaryd.commands import (
     JsonFlag,
     State,
@@ -53,9 +54,7 @@ _QUIET = ("validate", "init")
 
 def _version(value: bool) -> None:
     if value:
-        from importlib.metadata import version
-
-        print(f"canaryd {version('canaryd')} (python {sys.version.split()[0]})")
+        print(f"canaryd {__version__} (python {sys.version.split()[0]})")
         raise typer.Exit()
 
 
