@@ -75,10 +75,14 @@ def shipped_canaries() -> Path:
 
 
 def write_example(path: Path, *, force: bool = False) -> list[Path]:
+    """Write the example config at ``path`` (into it, as ``canaryd.toml``, when it is a directory) and
+    the default suite beside it; an existing file is an `InputError` (exit 2) unless ``force``."""
+    if path.is_dir():
+        path = path / "canaryd.toml"
     suite = path.parent / "canaries" / "default.toml"
-    for target in (path, suite):
-        if target.exists() and not force:
-            raise InputError(f"{target}: already exists (use --force to overwrite)")
+    existing = [str(t) for t in (path, suite) if t.exists()]
+    if existing and not force:
+        raise InputError(f"{', '.join(existing)}: already exists, not overwritten (use --force to overwrite)")
     new = [t for t in (path, suite) if not t.exists()]
     _mkdir(path.parent)
     path.write_text(example(), encoding="utf-8")

@@ -13,16 +13,16 @@ import re
 from pathlib import Path
 from typing import Annotated, Protocol
 
-import structlog
 from pydantic import Field, field_validator, model_validator
 
 from canaryd.canaries import ID_PATTERN, Canary
 from canaryd.errors import InputError
 from canaryd.fields import ENV_NAME, Duration, Strict
 from canaryd.files import exposed, read_regular
+from canaryd.lazy import Logger
 from canaryd.observation import ErrorKind, Observation
 
-log = structlog.get_logger("canaryd.backends")
+log = Logger("canaryd.backends")  # structlog, imported when it first logs
 KEY_FILE_BYTES = 64 << 10  # an API key file is small; a larger one (or a device, a FIFO) is refused
 
 

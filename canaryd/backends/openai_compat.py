@@ -18,14 +18,15 @@ import time
 from collections.abc import Callable
 from typing import Any, Literal
 
-import httpx2
-
 from canaryd import __version__
 from canaryd.backends import openai_wire as wire
-from canaryd.backends import transport
 from canaryd.backends.base import BackendUnavailable, HttpSettings
 from canaryd.canaries import Canary
+from canaryd.lazy import lazy_import
 from canaryd.observation import ErrorKind, Observation, storable, utcnow
+
+httpx2 = lazy_import("httpx2")  # a probe's, not a config check's: `canaryd validate` stays fast
+transport = lazy_import("canaryd.backends.transport")
 
 EXAMPLE = """\
 # Any OpenAI-compatible API: OpenAI, OpenRouter, Together, SGLang, llama.cpp server ...

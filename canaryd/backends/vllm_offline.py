@@ -38,14 +38,13 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
-import structlog
 from pydantic import Field
 
-from canaryd.backends import hostfacts
 from canaryd.backends.base import BackendSettings, BackendUnavailable
 from canaryd.backends.openai_wire import InvalidResponse, request_hash
 from canaryd.backends.vllm_server import TEMPLATE_PROBE
 from canaryd.canaries import Canary
+from canaryd.lazy import Logger, lazy_import
 from canaryd.observation import LOGPROB_MAX, ErrorKind, Observation, TokenLogprob, logprob_problem, utcnow
 
 EXAMPLE = """\
@@ -123,7 +122,8 @@ ENGINE_FIELDS: dict[str, tuple[str, ...]] = {
     "device_config": ("device_type",),
     "load_config": ("load_format",),
 }
-log = structlog.get_logger("canaryd.vllm_offline")
+hostfacts = lazy_import("canaryd.backends.hostfacts")  # a probe's, not a config check's
+log = Logger("canaryd.vllm_offline")  # structlog, imported when it first logs
 # Shown instead of the value for engine args and env vars whose names look like credentials.
 REDACTED = "<redacted>"
 

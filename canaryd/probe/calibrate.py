@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from canaryd import progress
 from canaryd.backends import Backend
 from canaryd.canaries import Canary
 from canaryd.config import Config
@@ -66,7 +67,7 @@ def calibrate(
     Fillers for the crowded batches come from ``others`` (the backend's whole suite; default ``canaries``)."""
     out = []
     crowd = canaries if others is None else others
-    for canary in canaries:
+    for canary in progress.each(canaries):
         shape = shape_of(canary)
         if not shape.calibrated:
             continue
@@ -157,6 +158,7 @@ def calibrate_config(
     try:
         for name, canaries in work.items():
             chosen = [c for c in canaries if not canary_ids or c.id in canary_ids]
+            progress.begin(len(chosen), name)
             # crowded batches put max(sizes) requests in flight, beyond the backend's usual concurrency
             bcfg = config.backend(name)
             b = make_backend(bcfg.model_copy(update={"concurrency": max(bcfg.concurrency, *sizes)}))

@@ -26,6 +26,7 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from canaryd import progress
 from canaryd.backends import Backend
 from canaryd.canaries import Canary, Message
 from canaryd.config import Config
@@ -95,6 +96,7 @@ def collect(
             for _ in range(n):
                 if b == 1:
                     out[b].append(vet.probe(backend, canary))
+                    progress.step()
                     continue
                 barrier = threading.Barrier(b)
 
@@ -107,6 +109,7 @@ def collect(
                 out[b].append(mine.result())
                 for f in crowd:
                     f.result()  # wait, so rounds never overlap; filler observations are discarded
+                progress.step()
     return out
 
 
@@ -204,6 +207,7 @@ def take_census(
         if not chosen:
             continue
         # the census puts max(sizes) requests in flight at once, beyond the backend's usual concurrency
+        progress.begin(len(chosen) * requests * len(sizes), name)
         bcfg = config.backend(name)
         b = make_backend(bcfg.model_copy(update={"concurrency": max(bcfg.concurrency, *sizes)}))
         try:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 
 import structlog
 
+from canaryd import progress
 from canaryd.backends import Backend, BackendUnavailable, make_backend
 from canaryd.canaries import Canary, Suite, load_suites
 from canaryd.config import Config
@@ -83,7 +84,7 @@ def probe_backend(backend: Backend, canaries: Sequence[Canary], store: Store, co
     with ThreadPoolExecutor(
         max_workers=backend.concurrency, thread_name_prefix=f"probe-{backend.name}"
     ) as ex:
-        sent = list(ex.map(one, canaries))
+        sent = list(ex.map(progress.counted(one), canaries))
 
     judged = []
     for canary, observations in zip(canaries, sent, strict=True):
@@ -206,6 +207,7 @@ def run_pass(config: Config, only: str | None = None) -> list[Result]:
         config.backend(only)  # an unknown name is an InputError
     work = plan(config, load_suites([s.path for s in config.suites], config.limits.suite_bytes), only=only)
     backends = [make_backend(config.backend(name)) for name in work]
+    progress.begin(sum(map(len, work.values())), ", ".join(work))
     store = open_store(config)
     try:
         return [r for run in probe_all(backends, work, store, config) for r in run.results]

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 
-from canaryd.errors import EXIT_UNAVAILABLE
+from canaryd.errors import EXIT_OK, EXIT_UNAVAILABLE
 from canaryd.files import write_private
 from canaryd.report.tables import (
     calibration_table,
@@ -42,17 +42,20 @@ def _err(line: str) -> None:
     print(line, file=sys.stderr)
 
 
-def show_pass(check: PassCheck, as_json: bool, console: Console) -> None:
-    """A probe pass (``check``, ``probe``, ``preflight``) and its pin check, as tables or JSON; the first
-    backend failure on stderr."""
+def show_pass(check: PassCheck, as_json: bool, console: Console, exit_code: int | None = None) -> None:
+    """A probe pass (``check``, ``probe``, ``preflight``) and its pin check, as tables or JSON (whose
+    ``exit_code`` is the command's: ``probe`` exits 0 on drift); the first backend failure on stderr."""
     if as_json:
-        print(json.dumps(check.as_dict(), indent=2))
+        doc = check.as_dict()
+        if exit_code is not None:
+            doc["exit_code"] = exit_code
+        print(json.dumps(doc, indent=2))
         return
     print_tables(console, results_table(check.results), stack_changes_table(check.results))
     pin = check.pin
     if pin is not None:
         if pin.fields or pin.unreachable:
-            console.print(pin_table(pin))
+            print_tables(console, pin_table(pin))
         verdict = "matches" if pin.matches else f"{len(pin.moved)} field(s) moved"
         if pin.unreachable:
             verdict = f"cannot be confirmed ({', '.join(pin.unreachable)} unreachable)"
@@ -115,7 +118,7 @@ def show_census(report: CensusReport, as_json: bool, console: Console, output: P
         print(json.dumps(report.as_dict(), indent=2, ensure_ascii=False))
         return
     if report.censuses:
-        console.print(census_table(report.censuses))
+        print_tables(console, census_table(report.censuses))
     for c in report.censuses:
         console.print(f"{c.backend} {c.canary}: {c.verdict()}", highlight=False, soft_wrap=True)
 
@@ -127,7 +130,7 @@ def show_calibration(report: CalibrationReport, as_json: bool, console: Console)
     if as_json:
         print(json.dumps(report.as_dict(), indent=2))
         return
-    console.print(calibration_table(report.results))
+    print_tables(console, calibration_table(report.results))
     for r in report.problems:
         _err(f"canaryd: backend {r.backend!r} canary {r.canary_id!r}: {r.problem}")
 
@@ -135,7 +138,7 @@ def show_calibration(report: CalibrationReport, as_json: bool, console: Console)
 def show_stacks(stacks: Sequence[StackSeen], as_json: bool, console: Console) -> None:
     """Each backend's first stack in full, then each later one as the fields that changed."""
     if as_json:
-        print(json.dumps([s.as_dict() for s in stacks], indent=2))
+        print(json.dumps({"exit_code": EXIT_OK, "stacks": [s.as_dict() for s in stacks]}, indent=2))
         return
     previous: dict[str, dict] = {}
     for s in stacks:
@@ -180,9 +183,9 @@ def show_diff(diffs: Sequence[PairDiff], exit_code: int, as_json: bool, console:
 def show_history(rows: Sequence[StoredObservation], as_json: bool, console: Console) -> None:
     """Stored observations, newest first: a table, or every column as JSON."""
     if as_json:
-        print(json.dumps([r.as_dict() for r in rows], indent=2))
+        print(json.dumps({"exit_code": EXIT_OK, "observations": [r.as_dict() for r in rows]}, indent=2))
     else:
-        console.print(history_table(rows))
+        print_tables(console, history_table(rows))
 
 
 def show_explain(doc: dict, as_json: bool) -> None:
@@ -190,21 +193,38 @@ def show_explain(doc: dict, as_json: bool) -> None:
     from canaryd.report.record import explain_text
 
     if as_json:
-        print(json.dumps(doc, indent=2, ensure_ascii=False))
+        print(json.dumps({"exit_code": EXIT_OK, **doc}, indent=2, ensure_ascii=False))
     else:
         sys.stdout.write(explain_text(doc))
 
 
-def show_accepted(accepted: Sequence[Accepted], dropped: int) -> None:
-    """A line per new baseline, and one for the calibrations dropped with the old ones."""
+def show_accepted(accepted: Sequence[Accepted], dropped: int, as_json: bool = False) -> None:
+    """A line per new baseline, and one for the calibrations dropped with the old ones (or JSON; none
+    accepted is an error the CLI reports)."""
+    if as_json:
+        if accepted:
+            rows = [
+                {"backend": a.backend, "canary": a.canary_id, "observation_id": a.observation_id}
+                for a in accepted
+            ]
+            print(
+                json.dumps(
+                    {"exit_code": EXIT_OK, "accepted": rows, "calibrations_dropped": dropped}, indent=2
+                )
+            )
+        return
     for a in accepted:
         print(f"{a.backend} {a.canary_id}: baseline is now observation {a.observation_id}")
     if dropped:
         print(f"{dropped} calibration(s) dropped with the old baselines: run `canaryd baseline calibrate`")
 
 
-def show_pruned(counts: dict[str, int], cutoff: datetime, dry_run: bool) -> None:
-    """One line: the observations deleted (or that would be), then the rows that went with them."""
+def show_pruned(counts: dict[str, int], cutoff: datetime, dry_run: bool, as_json: bool = False) -> None:
+    """One line: the observations deleted (or that would be), then the rows that went with them; or JSON."""
+    if as_json:
+        doc = {"exit_code": EXIT_OK, "dry_run": dry_run, "cutoff": cutoff.isoformat(), "deleted": counts}
+        print(json.dumps(doc, indent=2))
+        return
     rest = ", ".join(f"{n} {table}" for table, n in counts.items() if table != "observation")
     verb = "would delete" if dry_run else "deleted"
     print(
@@ -212,9 +232,13 @@ def show_pruned(counts: dict[str, int], cutoff: datetime, dry_run: bool) -> None
     )
 
 
-def show_migration(where: str, before: str | None, after: str) -> None:
+def show_migration(where: str, before: str | None, after: str, as_json: bool = False) -> None:
     """``canaryd db upgrade``: what the migration did."""
-    if before is None:
+    if as_json:
+        print(
+            json.dumps({"exit_code": EXIT_OK, "database": where, "before": before, "after": after}, indent=2)
+        )
+    elif before is None:
         print(f"{where}: created the schema at revision {after} (head)")
     elif before == after:
         print(f"{where}: at revision {after} (head): nothing to do")
@@ -222,9 +246,15 @@ def show_migration(where: str, before: str | None, after: str) -> None:
         print(f"{where}: upgraded from revision {before} to {after} (head)")
 
 
-def show_revision(rev: str | None, head: str, known: Collection[str]) -> None:
-    """``canaryd db current``: the database's revision, and what to do when it is not ``head``."""
-    if rev == head:
+def show_revision(rev: str | None, head: str, known: Collection[str], json_exit: int | None = None) -> None:
+    """``canaryd db current``: the database's revision, and what to do when it is not ``head``; with
+    ``json_exit`` (the exit code), the ``--json`` envelope instead."""
+    if json_exit is not None:
+        state = (
+            "head" if rev == head else "empty" if rev is None else "newer" if rev not in known else "behind"
+        )
+        print(json.dumps({"exit_code": json_exit, "revision": rev, "head": head, "state": state}, indent=2))
+    elif rev == head:
         print(f"{rev} (head)")
     elif rev is None:
         print(f"none: an empty database (head is {head}; run `canaryd db upgrade`)")

@@ -12,15 +12,15 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.table import Table
 
-from canaryd.judge.compare import Verdict
-from canaryd.probe.calibrate import Calibrated
-from canaryd.probe.run import Result
-from canaryd.store import StoredObservation
+from canaryd.judge.verdicts import Verdict
 
 if TYPE_CHECKING:
     from canaryd.judge.census import Census
+    from canaryd.probe.calibrate import Calibrated
+    from canaryd.probe.run import Result
     from canaryd.report.pin import PinReport
     from canaryd.report.rundiff import PairDiff
+    from canaryd.store import StoredObservation
 
 
 def _num(x: float | None) -> str:
@@ -139,8 +139,11 @@ def history_table(rows: Sequence[StoredObservation]) -> Table:
 
 
 def print_tables(console: Console, *tables: Table | None) -> None:
+    """Print the tables; off a terminal (piped, a file) as plain columns without box drawing or colour."""
     for t in tables:
         if t is not None:
+            if not console.is_terminal:
+                t.box, t.show_edge = None, False
             console.print(t)
 
 

@@ -17,6 +17,7 @@ import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import structlog
@@ -48,6 +49,7 @@ __all__ = [
     "StackSeen",
     "Store",
     "StoredObservation",
+    "existing_revision",
     "naming_storage",
     "open_store",
 ]
@@ -120,6 +122,24 @@ def database_revision(config: Config) -> str | None:
     from canaryd.store.engine import revision
 
     with naming_storage(config):
+        return revision(config.storage_url)
+
+
+def existing_revision(config: Config) -> str | None:
+    """The revision of the database the config names (None: no schema), for commands that only read: a
+    SQLite file that does not exist is an `InputError` naming the key, and nothing is created."""
+    from sqlalchemy.engine import make_url
+
+    from canaryd.store.engine import revision
+
+    with naming_storage(config):
+        url = make_url(config.storage_url)
+        db = url.database or ""
+        if url.get_backend_name() == "sqlite" and db not in ("", ":memory:") and not db.startswith("file:"):
+            path = Path(db).expanduser()
+            if not path.is_file():
+                key = "storage.url" if config.storage.url is not None else f"state_dir {config.state_dir}"
+                raise InputError(f"{config.path}: {key}: no history database at {path} (nothing probed yet?)")
         return revision(config.storage_url)
 
 

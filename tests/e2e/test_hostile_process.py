@@ -133,7 +133,7 @@ def test_a_metrics_port_in_use_exits_2_naming_daemon_listen(tmp_path):
     assert f"daemon.listen 127.0.0.1:{port}: address already in use" in line and str(cfg) in line
 
 
-@pytest.mark.parametrize("command", ["check", "run", "history", "db upgrade"])
+@pytest.mark.parametrize("command", ["check", "run", "db upgrade"])  # readers: tests/unit/test_cli.py
 def test_a_state_dir_that_cannot_be_created_exits_2_naming_state_dir(tmp_path, command):
     (tmp_path / "plain.toml").write_text(PLAIN)
     (tmp_path / "file").write_text("not a directory")

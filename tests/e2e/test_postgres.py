@@ -71,7 +71,8 @@ def test_cli_on_postgres_history_export_accept_and_prune(pg, tmp_path):
 
     history = canaryd("history", "--json")
     assert history.returncode == 0, history.stderr
-    assert [(r["id"], r["instance"]) for r in json.loads(history.stdout)] == [(i, "eu-1") for i in ids[::-1]]
+    observations = json.loads(history.stdout)["observations"]
+    assert [(r["id"], r["instance"]) for r in observations] == [(i, "eu-1") for i in ids[::-1]]
     export = canaryd("export", "--run", str(runs[1]))
     assert [
         (json.loads(line)["id"], json.loads(line)["instance"]) for line in export.stdout.splitlines()

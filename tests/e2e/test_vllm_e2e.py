@@ -174,7 +174,7 @@ def test_bf16_restart_is_detected_and_the_fingerprint_diff_names_it(lab, tiny_mo
 def test_history_and_stack_commands_show_what_is_stored(lab):
     h = lab.cli("history", "--backend", "local", "--canary", "chat-add", "--json")
     assert h.returncode == 0
-    seq = [r["verdict"] for r in reversed(json.loads(h.stdout))]  # oldest first
+    seq = [r["verdict"] for r in reversed(json.loads(h.stdout)["observations"])]  # oldest first
     drift = {"logprob-drift", "answer-drift"}
     assert seq[:5] == ["error", "error", "baseline", "identical", "identical"]
     assert set(seq[5:8]) <= drift and seq[8:] == ["identical"]

@@ -161,6 +161,14 @@ def test_db_upgrade_and_current_commands(url, tmp_path):
         assert "Traceback" not in p.stderr and p.stderr == "", p.stderr
         return p
 
+    if url.startswith("sqlite:///"):  # no file yet: `db current` reads, so it creates nothing and says so
+        db = Path(url.removeprefix("sqlite:///"))
+        missing = subprocess.run(
+            [sys.executable, "-m", "canaryd", "-c", str(cfg), "db", "current"], capture_output=True, text=True
+        )
+        assert missing.returncode == 2 and "no history database" in missing.stderr and not db.parent.exists()
+        db.parent.mkdir()
+        sqlite3.connect(db).close()  # an empty file: an empty database
     empty = canaryd("current", "--check")
     assert empty.returncode == 1 and empty.stdout.startswith("none: an empty database")
     up = canaryd("upgrade")

@@ -106,6 +106,7 @@ def test_the_daemon_probes_on_its_schedule_and_exports_the_scripted_series(daemo
     assert 'fingerprint="fp_scripted"' in info and info.endswith(" 1.0")
     line = 'canaryd_canary_verdict{backend="fake",canary="add",verdict="identical"} 1.0'
     assert line in rendered.splitlines()
+
     # and the daemon's own listener serves it, from the exposition published once the pass is recorded
     def served() -> list[str]:
         return httpx2.get(f"http://127.0.0.1:{port(d)}/metrics", timeout=5).text.splitlines()
