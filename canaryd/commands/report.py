@@ -13,9 +13,7 @@ from canaryd.errors import EXIT_OK
 
 def report(
     ctx: typer.Context,
-    runs: Annotated[
-        list[int], typer.Argument(metavar="RUN...", help="Run ids: each diffed against the one before.")
-    ],
+    runs: Annotated[list[int], typer.Argument(help="Run ids: each diffed against the one before.")],
     out_file: Annotated[Path, typer.Option("--out", help="The HTML file.")] = Path("canaryd-report.html"),
     as_json: JsonFlag = False,
 ) -> None:
