@@ -64,13 +64,33 @@ def configure(level: str = "info", *, json: bool | None = None) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(threshold),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        logger_factory=_stderr_logger,
         cache_logger_on_first_use=False,
     )
     _route_stdlib(renderer, max(threshold, logging.WARNING))
 
 
 _TIMESTAMP = structlog.processors.TimeStamper(fmt="iso", utc=True)
+
+
+def _stderr_logger(*_args: object) -> structlog.PrintLogger:
+    """A logger on whatever ``sys.stderr`` is when a line is logged, not when logging was set up (a
+    redirected stderr, as a test runner's, may be closed since)."""
+    return structlog.PrintLogger(sys.stderr)
+
+
+class _StderrHandler(logging.StreamHandler):
+    """`logging.StreamHandler` on the current ``sys.stderr`` (see `_stderr_logger`)."""
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: object) -> None:
+        pass
+
+
 _stdlib_handler: logging.Handler | None = None
 
 
@@ -81,7 +101,7 @@ def _route_stdlib(renderer: structlog.types.Processor, threshold: int) -> None:
     handler added here is replaced on a second call; others' handlers (pytest's) stay.
     """
     global _stdlib_handler
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.setLevel(threshold)
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
