@@ -174,6 +174,12 @@ class Metrics:
             ("backend",),
             registry=r,
         )
+        self.lease_held = Gauge(
+            "canaryd_backend_lease_held",
+            "1 if this daemon probes the backend (holds its lease in a fleet; always on SQLite), else 0.",
+            ("backend",),
+            registry=r,
+        )
         self.schedule_runs = Counter(
             "canaryd_schedule_runs", "Scheduled probe passes started.", ("schedule",), registry=r
         )
@@ -222,6 +228,7 @@ class Metrics:
             self.reachable,
             self.e_cusum,
             self.alarm,
+            self.lease_held,
         )
         self._seen: set[tuple[str, str]] = set()
         self._stack_labels: dict[str, tuple[str, ...]] = {}
@@ -244,6 +251,19 @@ class Metrics:
         self._seen = keep
         for backend, canary, seconds in intervals:
             self.interval.labels(backend, canary).set(seconds)
+
+    def set_lease(self, backend: str, held: bool) -> None:
+        """Whether this daemon probes ``backend`` (its fleet lease). One that does not drops the backend's
+        gauges, so that neither a verdict it no longer renews nor an ageing last-probe time stands for the
+        backend (the holder exports them); its counters and intervals stay."""
+        if not held:
+            for m in (*self._per_canary, *self._per_backend):
+                if isinstance(m, Gauge) and m is not self.interval:
+                    m.remove_by_labels({"backend": backend})
+            self._stack_labels.pop(backend, None)
+            self._stack_hash.pop(backend, None)
+            self._fingerprints.pop(backend, None)
+        self.lease_held.labels(backend).set(1 if held else 0)
 
     def record_failed(
         self, backend: str, canary_ids: Iterable[str], reason: ErrorKind = ErrorKind.INTERNAL

@@ -13,6 +13,10 @@ nothing is half-written) before the backends, the listener and the store close. 
 config — a new config that does not validate is logged and counted, and the old one keeps running.
 systemd ``Type=notify``: READY once the store, the listener and the scheduler are up, WATCHDOG pings
 while the scheduler thread lives.
+
+Fleets: daemons sharing one PostgreSQL database claim each pass's backends first (`canaryd.store.leases`)
+and probe only those they hold, so each backend is probed by one live daemon per interval; a clean stop
+releases the leases. Every pass logs ``pass.start``/``pass.done`` per backend, with counts.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import os
 import sys
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -39,8 +44,8 @@ from canaryd.daemon import sdnotify, signals
 from canaryd.daemon.httpserver import MetricsServer
 from canaryd.daemon.metrics import Metrics
 from canaryd.errors import InputError
-from canaryd.probe.run import plan, probe_backend
-from canaryd.store import open_store
+from canaryd.probe.run import BackendRun, plan, probe_backend
+from canaryd.store import Store, lease_seconds, open_store
 
 log = structlog.get_logger("canaryd.daemon")
 
@@ -57,6 +62,7 @@ class Generation:
     config: Config
     backends: dict[str, Backend]
     work: dict[str, dict[str, list[Canary]]]  # schedule -> backend -> canaries
+    lease_s: dict[str, float]  # backend -> how long a pass's claim lasts (its most frequent schedule's)
     active: int = 0
     retired: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -77,7 +83,12 @@ class Generation:
                 for b, canaries in full.items()
                 if sched.backends is None or b in sched.backends
             }
-        return cls(config, {b.name: make_backend(b, stopping) for b in config.backends}, work)
+        lease_s: dict[str, float] = {}
+        for sched in config.schedules:
+            for b in work[sched.name]:
+                s = lease_seconds(sched.interval_s, sched.jitter)
+                lease_s[b] = min(lease_s.get(b, s), s)
+        return cls(config, {b.name: make_backend(b, stopping) for b in config.backends}, work, lease_s)
 
     def work_pairs(self) -> dict[str, set[str]]:
         """Every backend with the ids of the canaries any schedule sends it."""
@@ -134,6 +145,57 @@ def trigger_for(s: ScheduleConfig) -> IntervalTrigger | CronTrigger:
     return IntervalTrigger(seconds=s.every_s, timezone=UTC, jitter=int(s.jitter) or None)
 
 
+class Tenure:
+    """Which backends this daemon probes, pass to pass: each change is logged and exported
+    (`Metrics.set_lease`). On SQLite every backend is held, silently."""
+
+    def __init__(self, store: Store, metrics: Metrics) -> None:
+        self.store, self.metrics = store, metrics
+        self.holders: dict[str, str | None] = {}  # backend -> its holder at the last claim
+        self._lock = threading.Lock()  # passes of several schedules claim at once
+
+    def claim(self, lease_s: dict[str, float], backends: list[str]) -> set[str]:
+        """Claim the backends' leases; those this daemon holds now. A claim that fails (the database
+        is unreachable) holds nothing: the passes skip them, and their last-probe times age."""
+        me = self.store.lease_holder
+        try:
+            holders = self.store.claim_leases({b: lease_s[b] for b in backends})
+        except Exception:
+            log.exception("lease.claim_failed", backends=backends)
+            return set()
+        with self._lock:
+            for b, holder in holders.items():
+                before = self.holders.get(b, "")  # "": never claimed by this daemon
+                self.holders[b] = holder
+                if (before == me) == (holder == me) and before != "":
+                    continue
+                self.metrics.set_lease(b, holder == me)
+                if not self.store.leased:
+                    continue
+                if holder == me:  # a takeover (from a holder that died, hung or stopped) is worth a warning
+                    taken = before not in ("", None)
+                    (log.warning if taken else log.info)(
+                        "lease.acquired", backend=b, previous=before or None, seconds=lease_s[b]
+                    )
+                elif before == me:
+                    log.warning("lease.lost", backend=b, holder=holder)
+                else:
+                    log.info("lease.held_elsewhere", backend=b, holder=holder)
+        return {b for b, holder in holders.items() if holder == me}
+
+    def forget(self, backends: set[str]) -> None:
+        """Backends a reload removed: their leases end now, and a later reload that adds one back starts
+        afresh (its series were dropped with it)."""
+        with self._lock:
+            for b in backends:
+                self.holders.pop(b, None)
+        if backends:
+            try:
+                self.store.release_leases(backends)
+            except Exception:
+                log.exception("lease.release_failed", backends=sorted(backends))
+
+
 class Daemon:
     def __init__(self, config_path: Path, config: Config) -> None:
         self.config_path = config_path
@@ -145,6 +207,7 @@ class Daemon:
         )
         self.store = open_store(config)
         self.gen = Generation.build(config, self.stop_event)
+        self.tenure = Tenure(self.store, self.metrics)
         self._in_flight = 0  # passes running, of any generation (what a stop waits for)
         self._idle = threading.Condition()
         self.scheduler = BackgroundScheduler(
@@ -161,10 +224,11 @@ class Daemon:
         try:
             self.metrics.schedule_runs.labels(schedule).inc()
             work = gen.work.get(schedule, {})
+            held = self.tenure.claim(gen.lease_s, list(work)) if work else set()
+            work = {b: canaries for b, canaries in work.items() if b in held}
             with ThreadPoolExecutor(max_workers=max(1, len(work)), thread_name_prefix="backend") as ex:
                 futures = {
-                    b: ex.submit(probe_backend, gen.backends[b], canaries, self.store, gen.config)
-                    for b, canaries in work.items()
+                    b: ex.submit(self._probe, gen, schedule, b, canaries) for b, canaries in work.items()
                 }
                 # each backend on its own: one that fails (probing, storing or recording) costs its own
                 # series, and its canaries count as failed probes, so the failing-probes alert sees it
@@ -184,6 +248,23 @@ class Daemon:
         finally:
             structlog.contextvars.unbind_contextvars("schedule")
             gen.release()
+
+    def _probe(self, gen: Generation, schedule: str, backend: str, canaries: list[Canary]) -> BackendRun:
+        """One backend's share of a pass, logged at its start and end with what it found."""
+        log.info("pass.start", schedule=schedule, backend=backend, canaries=len(canaries))
+        t0 = time.monotonic()
+        run = probe_backend(gen.backends[backend], canaries, self.store, gen.config)
+        down = {"unavailable": run.unavailable.kind.value} if run.unavailable else {}
+        log.info(
+            "pass.done",
+            schedule=schedule,
+            backend=backend,
+            run_id=run.run_id,
+            verdicts=dict(Counter(r.comparison.verdict.value for r in run.results)),
+            duration_s=round(time.monotonic() - t0, 3),
+            **down,
+        )
+        return run
 
     def _job(self, schedule: str) -> None:
         """A scheduled pass, counted so a stop knows what it waits for; none starts once stopping."""
@@ -257,8 +338,13 @@ class Daemon:
         sdnotify.notify("READY=1", f"STATUS=probing {len(self.config.backends)} backend(s)")
 
     def _restore_last_probes(self) -> None:
-        """Seed last-probe times from the history, so a restart's gap shows (and stale alerts span it)."""
-        for backend, canaries in self.gen.work_pairs().items():
+        """Seed last-probe times from the history, so a restart's gap shows (and stale alerts span it), for
+        the backends this daemon holds (a first claim): another daemon's backends are its to export."""
+        pairs = self.gen.work_pairs()
+        held = self.tenure.claim(self.gen.lease_s, list(pairs))
+        for backend, canaries in pairs.items():
+            if backend not in held:
+                continue
             for canary in canaries:
                 rows = self.store.observations(
                     backend=backend, canary_id=canary, instance=self.store.instance, limit=1
@@ -286,6 +372,7 @@ class Daemon:
                 log.warning("reload_needs_restart", setting=what)
         old, self.gen, self.config = self.gen, gen, config
         self._install(gen)
+        self.tenure.forget(set(old.work_pairs()) - set(gen.work_pairs()))
         old.retire()
         log.info("reloaded", schedules=[s.name for s in config.schedules])
         sdnotify.notify("READY=1", f"STATUS=probing {len(config.backends)} backend(s)")
@@ -304,6 +391,12 @@ class Daemon:
             done = self._idle.wait_for(lambda: self._in_flight == 0, timeout=bound)
         if done:
             self.gen.retire()
+        try:  # the fleet's other daemons take these backends over at their next pass, not at expiry
+            released = self.store.release_leases()
+            if released:
+                log.info("lease.released", leases=released)
+        except Exception:
+            log.exception("lease.release_failed")
         if self.httpd is not None:
             self.httpd.shutdown()
         if not done:
