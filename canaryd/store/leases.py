@@ -35,7 +35,7 @@ from canaryd.store.engine import Connected
 # A late pass keeps its lease if it starts within this share of an interval (APScheduler's own lateness
 # is milliseconds; a busy machine or a slow database adds more), at least GRACE_MIN_S, at most GRACE_MAX_S.
 GRACE = 0.25
-GRACE_MIN_S = 0.5
+GRACE_MIN_S = 1.0
 GRACE_MAX_S = 30.0
 
 _CLAIM = text("""

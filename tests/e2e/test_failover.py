@@ -162,8 +162,9 @@ def test_two_daemons_share_the_work_and_take_over_from_a_killed_or_stopped_one(f
     assert doubles(runs, interval) == 0, runs
     holders = fleet.holders()
     assert set(holders) == set(fleet.backends)
-    for b in fleet.backends:  # each backend from its holder alone, and its metrics say so on both
-        assert {i for rb, i, _ in both_live if rb == b} == {holders[b]}
+    for b in fleet.backends:  # once per interval (by one daemon or, after a late pass, the other) ...
+        assert 3 <= sum(1 for rb, _, _ in both_live if rb == b) <= 5, both_live
+        # ... and the metrics of both daemons say which
         other = "d2" if holders[b] == "d1" else "d1"
         assert fleet.metric(holders[b], "canaryd_backend_lease_held", b) == 1
         assert fleet.metric(other, "canaryd_backend_lease_held", b) == 0

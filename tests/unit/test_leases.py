@@ -24,7 +24,7 @@ def test_a_lease_outlasts_the_holders_next_pass_by_a_bounded_grace(interval, jit
     lease = lease_seconds(interval, jitter)
     grace = lease - interval - jitter  # how late the holder's next pass may start and still renew
     assert GRACE_MIN_S <= grace <= GRACE_MAX_S
-    assert grace <= max(interval / 4, GRACE_MIN_S)  # a takeover after SIGKILL waits less than 1.25 intervals
+    assert grace <= max(interval / 4, GRACE_MIN_S)  # a dead holder is noticed soon after its pass was due
     assert lease_seconds(interval * 2, jitter) > lease  # a slower schedule, a longer lease
 
 
