@@ -21,6 +21,7 @@ releases the leases. Every pass logs ``pass.start``/``pass.done`` per backend, w
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
@@ -28,13 +29,14 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import structlog
 from apscheduler.events import EVENT_JOB_MAX_INSTANCES, EVENT_JOB_MISSED, JobExecutionEvent
 from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.cron import CronTrigger
+from apscheduler.triggers.date import DateTrigger
 from apscheduler.triggers.interval import IntervalTrigger
 
 from canaryd.backends import Backend, make_backend
@@ -53,6 +55,10 @@ log = structlog.get_logger("canaryd.daemon")
 STOP_GRACE_S = 3.0
 # A step back of the wall clock larger than this reschedules every job (see `Daemon._follow_clock`).
 CLOCK_STEP_S = 1.0
+# A standby asks for a backend this long after its lease was due to end (`Daemon._claim`): the end as the
+# database counted it, measured here from the claim's answer.
+TAKEOVER_DELAY_S = 0.1
+TAKEOVER = "takeover:"  # the prefix of a takeover pass's job id
 
 
 @dataclass
@@ -63,6 +69,8 @@ class Generation:
     backends: dict[str, Backend]
     work: dict[str, dict[str, list[Canary]]]  # schedule -> backend -> canaries
     lease_s: dict[str, float]  # backend -> how long a pass's claim lasts (its most frequent schedule's)
+    lead: dict[str, str]  # backend -> that schedule: the one a takeover pass runs
+    interval_s: dict[str, float]  # schedule -> its interval
     active: int = 0
     retired: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -84,11 +92,15 @@ class Generation:
                 if sched.backends is None or b in sched.backends
             }
         lease_s: dict[str, float] = {}
+        lead: dict[str, str] = {}
+        interval_s = {sched.name: sched.interval_s for sched in config.schedules}
         for sched in config.schedules:
             for b in work[sched.name]:
-                s = lease_seconds(sched.interval_s, sched.jitter)
-                lease_s[b] = min(lease_s.get(b, s), s)
-        return cls(config, {b.name: make_backend(b, stopping) for b in config.backends}, work, lease_s)
+                s = lease_seconds(interval_s[sched.name], sched.jitter)
+                if s < lease_s.get(b, float("inf")):
+                    lease_s[b], lead[b] = s, sched.name
+        backends = {b.name: make_backend(b, stopping) for b in config.backends}
+        return cls(config, backends, work, lease_s, lead, interval_s)
 
     def work_pairs(self) -> dict[str, set[str]]:
         """Every backend with the ids of the canaries any schedule sends it."""
@@ -154,17 +166,18 @@ class Tenure:
         self.holders: dict[str, str | None] = {}  # backend -> its holder at the last claim
         self._lock = threading.Lock()  # passes of several schedules claim at once
 
-    def claim(self, lease_s: dict[str, float], backends: list[str]) -> set[str]:
-        """Claim the backends' leases; those this daemon holds now. A claim that fails (the database
-        is unreachable) holds nothing: the passes skip them, and their last-probe times age."""
+    def claim(self, lease_s: dict[str, float], backends: list[str]) -> tuple[set[str], dict[str, float]]:
+        """Claim the backends' leases: (those this daemon holds now, the seconds until each other one's
+        lease ends). A claim that fails (the database is unreachable) holds nothing: the passes skip
+        them, and their last-probe times age."""
         me = self.store.lease_holder
         try:
-            holders = self.store.claim_leases({b: lease_s[b] for b in backends})
+            leases = self.store.claim_leases({b: lease_s[b] for b in backends})
         except Exception:
             log.exception("lease.claim_failed", backends=backends)
-            return set()
+            return set(), {}
         with self._lock:
-            for b, holder in holders.items():
+            for b, (holder, _) in leases.items():
                 before = self.holders.get(b, "")  # "": never claimed by this daemon
                 self.holders[b] = holder
                 if (before == me) == (holder == me) and before != "":
@@ -181,7 +194,8 @@ class Tenure:
                     log.warning("lease.lost", backend=b, holder=holder)
                 else:
                     log.info("lease.held_elsewhere", backend=b, holder=holder)
-        return {b for b, holder in holders.items() if holder == me}
+        held = {b for b, lease in leases.items() if lease.holder == me}
+        return held, {b: lease.ends_in for b, lease in leases.items() if b not in held}
 
     def forget(self, backends: set[str]) -> None:
         """Backends a reload removed: their leases end now, and a later reload that adds one back starts
@@ -208,6 +222,7 @@ class Daemon:
         self.store = open_store(config)
         self.gen = Generation.build(config, self.stop_event)
         self.tenure = Tenure(self.store, self.metrics)
+        self._taken: dict[str, float] = {}  # backend -> when (monotonic) a takeover pass probed it
         self._in_flight = 0  # passes running, of any generation (what a stop waits for)
         self._idle = threading.Condition()
         self.scheduler = BackgroundScheduler(
@@ -217,14 +232,24 @@ class Daemon:
         self.httpd = None
 
     # -- probing ------------------------------------------------------------------------------------
-    def _pass(self, schedule: str) -> None:
+    def _pass(self, schedule: str, takeover: str | None = None) -> None:
+        """A pass of the schedule: of the backends this daemon holds, or of one backend it takes over."""
         gen = self.gen
         gen.acquire()
         structlog.contextvars.bind_contextvars(schedule=schedule)  # job threads don't inherit context
         try:
-            self.metrics.schedule_runs.labels(schedule).inc()
             work = gen.work.get(schedule, {})
-            held = self.tenure.claim(gen.lease_s, list(work)) if work else set()
+            if takeover is None:
+                self.metrics.schedule_runs.labels(schedule).inc()
+            else:
+                work = {b: cs for b, cs in work.items() if b == takeover}
+            held = self._claim(gen, list(work)) if work else set()
+            now = time.monotonic()
+            if takeover is None:  # a backend just taken over keeps that pass's phase from now on
+                recent = now - gen.interval_s[schedule] / 2
+                held = {b for b in held if self._taken.get(b, -math.inf) < recent}
+            else:
+                self._taken.update(dict.fromkeys(held, now))
             work = {b: canaries for b, canaries in work.items() if b in held}
             with ThreadPoolExecutor(max_workers=max(1, len(work)), thread_name_prefix="backend") as ex:
                 futures = {
@@ -242,7 +267,8 @@ class Daemon:
                             self.metrics.record_failed(b, ids)
                         except Exception:
                             log.exception("backend_pass_failed_unrecorded", backend=b)
-            self.metrics.schedule_last.labels(schedule).set(time.time())
+            if takeover is None:
+                self.metrics.schedule_last.labels(schedule).set(time.time())
         except Exception:
             log.exception("pass_failed")
         finally:
@@ -266,14 +292,33 @@ class Daemon:
         )
         return run
 
-    def _job(self, schedule: str) -> None:
-        """A scheduled pass, counted so a stop knows what it waits for; none starts once stopping."""
+    def _claim(self, gen: Generation, backends: list[str]) -> set[str]:
+        """Claim the backends' leases; those this daemon holds. For each held elsewhere, a takeover pass
+        is due when its lease ends: if the holder is dead (or hung), this daemon probes the backend then,
+        about one lease length after the holder's last pass, rather than at its own next pass (up to an
+        interval later). A live holder will have renewed: that pass only claims, and waits again."""
+        held, ends_in = self.tenure.claim(gen.lease_s, backends)
+        if not self.stop_event.is_set():
+            for b, seconds in ends_in.items():
+                self.scheduler.add_job(
+                    self._job,
+                    DateTrigger(datetime.now(UTC) + timedelta(seconds=seconds + TAKEOVER_DELAY_S)),
+                    args=[gen.lead[b], b],
+                    id=TAKEOVER + b,
+                    name=TAKEOVER + b,
+                    misfire_grace_time=None,
+                    replace_existing=True,
+                )
+        return held
+
+    def _job(self, schedule: str, takeover: str | None = None) -> None:
+        """A pass, counted so a stop knows what it waits for; none starts once stopping."""
         with self._idle:
             if self.stop_event.is_set():
                 return
             self._in_flight += 1
         try:
-            self._pass(schedule)
+            self._pass(schedule, takeover)
         finally:
             with self._idle:
                 self._in_flight -= 1
@@ -291,6 +336,8 @@ class Daemon:
         return now
 
     def _missed(self, event: JobExecutionEvent) -> None:
+        if event.job_id.startswith(TAKEOVER):  # still running: the next claim sets another
+            return
         self.metrics.schedule_missed.labels(event.job_id).inc()
         log.warning("pass_skipped", schedule=event.job_id, code=event.code)
 
@@ -341,7 +388,7 @@ class Daemon:
         """Seed last-probe times from the history, so a restart's gap shows (and stale alerts span it), for
         the backends this daemon holds (a first claim): another daemon's backends are its to export."""
         pairs = self.gen.work_pairs()
-        held = self.tenure.claim(self.gen.lease_s, list(pairs))
+        held = self._claim(self.gen, list(pairs))
         for backend, canaries in pairs.items():
             if backend not in held:
                 continue

@@ -18,8 +18,9 @@ that is not renewed simply ends: a dead or a hung holder loses its backends one 
 last pass, and the lease table says who holds what (``SELECT * FROM lease``).
 
 A lease lasts `lease_seconds` (one interval, the schedule's jitter and a grace for a late pass): a holder's
-next pass renews it in time, and a daemon killed with SIGKILL has its backends taken over at the others'
-first pass after that (within one interval of the lease's end). SQLite keeps the single-daemon behaviour:
+next pass renews it in time, and a daemon killed with SIGKILL has its backends taken over when their leases
+end (a standby learns from a failed claim when that is, and asks again then: see the daemon's
+``Daemon._claim``). SQLite keeps the single-daemon behaviour:
 no lease is written and every backend is this daemon's.
 """
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable, Mapping
+from typing import NamedTuple
 
 from sqlalchemy import text
 
@@ -46,7 +48,10 @@ ON CONFLICT (backend) DO UPDATE SET holder = excluded.holder, expires = excluded
 WHERE lease.expires < now() OR lease.holder = excluded.holder
 RETURNING backend
 """)
-_HOLDERS = text("SELECT backend, holder FROM lease WHERE backend = ANY(CAST(:backends AS text[]))")
+_HOLDERS = text(
+    "SELECT backend, holder, extract(epoch FROM expires - now()) FROM lease "
+    "WHERE backend = ANY(CAST(:backends AS text[]))"
+)
 
 
 def lease_seconds(interval_s: float, jitter_s: float = 0.0) -> float:
@@ -54,6 +59,14 @@ def lease_seconds(interval_s: float, jitter_s: float = 0.0) -> float:
     of APScheduler's jitter, which only delays a pass) is due, plus a grace for a pass that starts late.
     A longer lease delays a takeover; a shorter one hands a backend over whenever a pass starts late."""
     return interval_s + jitter_s + min(max(GRACE * interval_s, GRACE_MIN_S), GRACE_MAX_S)
+
+
+class Lease(NamedTuple):
+    """A backend's lease after a claim: its holder (None: nobody, a row deleted meanwhile) and the seconds
+    until it ends, on the database's clock (so a standby can ask again right then)."""
+
+    holder: str | None
+    ends_in: float
 
 
 def holder_name(instance: str) -> str:
@@ -73,12 +86,12 @@ class Leases(Connected):
         """Whether backends are leased (PostgreSQL); on SQLite this daemon holds them all."""
         return self.engine.dialect.name == "postgresql"
 
-    def claim_leases(self, seconds: Mapping[str, float]) -> dict[str, str | None]:
+    def claim_leases(self, seconds: Mapping[str, float]) -> dict[str, Lease]:
         """Take or renew the lease of each backend (for its number of seconds from now, on the database's
-        clock) unless another live holder has it; every backend's holder after the claim
-        (`lease_holder` for those this process holds; None: a row vanished meanwhile)."""
+        clock) unless another live holder has it; every backend's lease after the claim (held by
+        `lease_holder` where this process got it)."""
         if not self.leased:
-            return dict.fromkeys(seconds, self.lease_holder)
+            return {b: Lease(self.lease_holder, s) for b, s in seconds.items()}
         names = sorted(seconds)  # one lock order for every claimer: overlapping claims cannot deadlock
         with self.engine.begin() as conn:
             mine = conn.execute(
@@ -89,12 +102,12 @@ class Leases(Connected):
                     "seconds": [float(seconds[b]) for b in names],
                 },
             ).scalars()
-            holders: dict[str, str | None] = dict.fromkeys(names)
-            holders.update(dict.fromkeys(mine, self.lease_holder))
-            rest = [b for b in names if holders[b] is None]
+            leases = {b: Lease(self.lease_holder, seconds[b]) for b in mine}
+            rest = [b for b in names if b not in leases]
             if rest:
-                holders.update(conn.execute(_HOLDERS, {"backends": rest}).tuples().all())
-        return holders
+                for b, holder, ends_in in conn.execute(_HOLDERS, {"backends": rest}):
+                    leases[b] = Lease(holder, max(0.0, float(ends_in)))
+        return {b: leases.get(b, Lease(None, 0.0)) for b in names}
 
     def release_leases(self, backends: Iterable[str] | None = None) -> int:
         """End this process's leases (default: all of them) so another daemon takes the backends over at

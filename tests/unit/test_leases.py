@@ -13,7 +13,7 @@ import structlog
 from canaryd.daemon.metrics import Metrics
 from canaryd.daemon.service import Daemon, Generation, Tenure
 from canaryd.store import Store, lease_seconds
-from canaryd.store.leases import GRACE_MAX_S, GRACE_MIN_S
+from canaryd.store.leases import GRACE_MAX_S, GRACE_MIN_S, Lease
 from tests.unit.scripted_lab import ScriptedLab, scripted
 from tests.unit.test_scripted_daemon import IDS, daemon, passes, value, wait  # noqa: F401 (fixture)
 
@@ -33,7 +33,8 @@ def test_on_sqlite_every_backend_is_held_and_nothing_is_written(tmp_path):
     try:
         assert not store.leased
         assert store.lease_holder.startswith("solo#")
-        assert store.claim_leases({"a": 2.5, "b": 60}) == {"a": store.lease_holder, "b": store.lease_holder}
+        me = store.lease_holder
+        assert store.claim_leases({"a": 2.5, "b": 60}) == {"a": Lease(me, 2.5), "b": Lease(me, 60)}
         assert store.release_leases() == 0
         with store.engine.connect() as c:
             assert c.exec_driver_sql("SELECT count(*) FROM lease").scalar() == 0
@@ -62,6 +63,7 @@ def test_each_backend_leases_for_its_most_frequent_schedule(tmp_path):
     gen = Generation.build(lab.config)
     try:
         assert gen.lease_s == {"both": lease_seconds(10, 2), "slow": lease_seconds(3600)}
+        assert gen.lead == {"both": "fast", "slow": "hourly"}  # the schedule a takeover pass runs
     finally:
         gen.close()
         lab.store.close()
@@ -81,7 +83,10 @@ class FleetStore:
     def claim_leases(self, seconds):
         if self.down:
             raise OSError("connection refused")
-        return {b: self.holders.get(b) for b in seconds}
+        return {
+            b: Lease(self.holders.get(b), seconds[b] if self.holders.get(b) == "me#1" else 1.5)
+            for b in seconds
+        }
 
 
 def test_the_daemon_logs_and_exports_each_change_of_what_it_holds():
@@ -91,12 +96,12 @@ def test_the_daemon_logs_and_exports_each_change_of_what_it_holds():
     held = lambda b: metrics.registry.get_sample_value("canaryd_backend_lease_held", {"backend": b})  # noqa: E731
     fleet.holders = {"a": "me#1", "b": "other#2"}
     with structlog.testing.capture_logs() as logs:
-        assert tenure.claim(lease, ["a", "b"]) == {"a"}
-        assert tenure.claim(lease, ["a", "b"]) == {"a"}  # nothing changed: nothing logged
+        assert tenure.claim(lease, ["a", "b"]) == ({"a"}, {"b": 1.5})  # when to ask for b again
+        assert tenure.claim(lease, ["a", "b"]) == ({"a"}, {"b": 1.5})  # nothing changed: nothing logged
         fleet.holders = {"a": "other#2", "b": "me#1"}  # a pass came late (a lost); b's holder died
-        assert tenure.claim(lease, ["a", "b"]) == {"b"}
+        assert tenure.claim(lease, ["a", "b"]) == ({"b"}, {"a": 1.5})
         fleet.down = True
-        assert tenure.claim(lease, ["a", "b"]) == set()
+        assert tenure.claim(lease, ["a", "b"]) == (set(), {})
     events = [(e["event"], e["log_level"], e.get("backend")) for e in logs]
     assert events == [
         ("lease.acquired", "info", "a"),
