@@ -241,6 +241,8 @@ class Daemon:
             work = gen.work.get(schedule, {})
             if takeover is None:
                 self.metrics.schedule_runs.labels(schedule).inc()
+            elif self.tenure.holders.get(takeover) == self.store.lease_holder:
+                work = {}  # a pass of this daemon took it meanwhile: that pass's phase it is
             else:
                 work = {b: cs for b, cs in work.items() if b == takeover}
             held = self._claim(gen, list(work)) if work else set()
