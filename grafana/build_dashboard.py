@@ -691,6 +691,23 @@ def build_panels(ids: Ids) -> list[tuple[str, list]]:
             ],
             [organize(["Time", "Value"], {"python_version": "python"})],
         ),
+        timeline_panel(
+            ids,
+            "Lease holders",
+            "Which canaryd instance probes each backend (canaryd_backend_lease_held): in a fleet on one "
+            "PostgreSQL database one daemon per backend, the others standing by to take over when it stops "
+            "or dies; on SQLite a daemon probes all its backends.",
+            24,
+            6,
+            [
+                query(
+                    "A",
+                    f"max by (backend, instance) (canaryd_backend_lease_held{{{BACKEND}}})",
+                    "{{backend}} on {{instance}}",
+                )
+            ],
+            bool_mappings("probing", "standby", false_color="blue"),
+        ),
     ]
     evidence = [
         series_panel(

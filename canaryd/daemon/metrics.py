@@ -375,10 +375,21 @@ class Metrics:
             self._pair(backend, canary).last_probe = timestamp
 
     def set_lease(self, backend: str, held: bool) -> None:
-        """Whether this daemon holds ``backend``'s probing lease (failover); a change publishes at once."""
+        """Whether this daemon probes ``backend`` (its fleet lease; always on SQLite). One that does not
+        drops the backend's gauges (its pairs, stack, detector, reachability), so that neither a verdict it
+        no longer renews nor an ageing last-probe time stands for the backend: the holder exports them.
+        Counters and the interval stay. A change publishes at once."""
         with self._lock:
             changed = self._lease.get(backend) is not held
             self._lease[backend] = held
+            if not held:
+                for key in [k for k in self._pairs if k[0] == backend]:
+                    del self._pairs[key]
+                for m in self._per_backend:
+                    if isinstance(m, Gauge) and m is not self.interval and m is not self.lease_held:
+                        m.remove_by_labels({"backend": backend})
+                for state in (self._stack_labels, self._stack_hash, self._fingerprints):
+                    state.pop(backend, None)
             self.lease_held.labels(backend).set(1 if held else 0)
         if changed:
             self.publish()

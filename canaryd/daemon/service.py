@@ -13,23 +13,30 @@ nothing is half-written) before the backends, the listener and the store close. 
 config — a new config that does not validate is logged and counted, and the old one keeps running.
 systemd ``Type=notify``: READY once the store, the listener and the scheduler are up, WATCHDOG pings
 while the scheduler thread lives.
+
+Fleets: daemons sharing one PostgreSQL database claim each pass's backends first (`canaryd.store.leases`)
+and probe only those they hold, so each backend is probed by one live daemon per interval; a clean stop
+releases the leases. Every pass logs ``pass.start``/``pass.done`` per backend, with counts.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import structlog
 from apscheduler.events import EVENT_JOB_MAX_INSTANCES, EVENT_JOB_MISSED, JobExecutionEvent
 from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.cron import CronTrigger
+from apscheduler.triggers.date import DateTrigger
 from apscheduler.triggers.interval import IntervalTrigger
 
 from canaryd.backends import Backend, make_backend
@@ -39,8 +46,8 @@ from canaryd.daemon import sdnotify, signals
 from canaryd.daemon.httpserver import MetricsServer
 from canaryd.daemon.metrics import Metrics
 from canaryd.errors import InputError
-from canaryd.probe.run import plan, probe_backend
-from canaryd.store import open_store
+from canaryd.probe.run import BackendRun, plan, probe_backend
+from canaryd.store import Store, lease_seconds, open_store
 
 log = structlog.get_logger("canaryd.daemon")
 
@@ -48,6 +55,10 @@ log = structlog.get_logger("canaryd.daemon")
 STOP_GRACE_S = 3.0
 # A step back of the wall clock larger than this reschedules every job (see `Daemon._follow_clock`).
 CLOCK_STEP_S = 1.0
+# A standby asks for a backend this long after its lease was due to end (`Daemon._claim`): the end as the
+# database counted it, measured here from the claim's answer.
+TAKEOVER_DELAY_S = 0.1
+TAKEOVER = "takeover:"  # the prefix of a takeover pass's job id
 
 
 @dataclass
@@ -57,6 +68,9 @@ class Generation:
     config: Config
     backends: dict[str, Backend]
     work: dict[str, dict[str, list[Canary]]]  # schedule -> backend -> canaries
+    lease_s: dict[str, float]  # backend -> how long a pass's claim lasts (its most frequent schedule's)
+    lead: dict[str, str]  # backend -> that schedule: the one a takeover pass runs
+    interval_s: dict[str, float]  # schedule -> its interval
     active: int = 0
     retired: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -77,7 +91,16 @@ class Generation:
                 for b, canaries in full.items()
                 if sched.backends is None or b in sched.backends
             }
-        return cls(config, {b.name: make_backend(b, stopping) for b in config.backends}, work)
+        lease_s: dict[str, float] = {}
+        lead: dict[str, str] = {}
+        interval_s = {sched.name: sched.interval_s for sched in config.schedules}
+        for sched in config.schedules:
+            for b in work[sched.name]:
+                s = lease_seconds(interval_s[sched.name], sched.jitter)
+                if s < lease_s.get(b, float("inf")):
+                    lease_s[b], lead[b] = s, sched.name
+        backends = {b.name: make_backend(b, stopping) for b in config.backends}
+        return cls(config, backends, work, lease_s, lead, interval_s)
 
     def work_pairs(self) -> dict[str, set[str]]:
         """Every backend with the ids of the canaries any schedule sends it."""
@@ -134,6 +157,59 @@ def trigger_for(s: ScheduleConfig) -> IntervalTrigger | CronTrigger:
     return IntervalTrigger(seconds=s.every_s, timezone=UTC, jitter=int(s.jitter) or None)
 
 
+class Tenure:
+    """Which backends this daemon probes, pass to pass: each change is logged and exported
+    (`Metrics.set_lease`). On SQLite every backend is held, silently."""
+
+    def __init__(self, store: Store, metrics: Metrics) -> None:
+        self.store, self.metrics = store, metrics
+        self.holders: dict[str, str | None] = {}  # backend -> its holder at the last claim
+        self._lock = threading.Lock()  # passes of several schedules claim at once
+
+    def claim(self, lease_s: dict[str, float], backends: list[str]) -> tuple[set[str], dict[str, float]]:
+        """Claim the backends' leases: (those this daemon holds now, the seconds until each other one's
+        lease ends). A claim that fails (the database is unreachable) holds nothing: the passes skip
+        them, and their last-probe times age."""
+        me = self.store.lease_holder
+        try:
+            leases = self.store.claim_leases({b: lease_s[b] for b in backends})
+        except Exception:
+            log.exception("lease.claim_failed", backends=backends)
+            return set(), {}
+        with self._lock:
+            for b, (holder, _) in leases.items():
+                before = self.holders.get(b, "")  # "": never claimed by this daemon
+                self.holders[b] = holder
+                if (before == me) == (holder == me) and before != "":
+                    continue
+                self.metrics.set_lease(b, holder == me)
+                if not self.store.leased:
+                    continue
+                if holder == me:  # a takeover (from a holder that died, hung or stopped) is worth a warning
+                    taken = before not in ("", None)
+                    (log.warning if taken else log.info)(
+                        "lease.acquired", backend=b, previous=before or None, seconds=lease_s[b]
+                    )
+                elif before == me:
+                    log.warning("lease.lost", backend=b, holder=holder)
+                else:
+                    log.info("lease.held_elsewhere", backend=b, holder=holder)
+        held = {b for b, lease in leases.items() if lease.holder == me}
+        return held, {b: lease.ends_in for b, lease in leases.items() if b not in held}
+
+    def forget(self, backends: set[str]) -> None:
+        """Backends a reload removed: their leases end now, and a later reload that adds one back starts
+        afresh (its series were dropped with it)."""
+        with self._lock:
+            for b in backends:
+                self.holders.pop(b, None)
+        if backends:
+            try:
+                self.store.release_leases(backends)
+            except Exception:
+                log.exception("lease.release_failed", backends=sorted(backends))
+
+
 class Daemon:
     def __init__(self, config_path: Path, config: Config) -> None:
         self.config_path = config_path
@@ -145,6 +221,8 @@ class Daemon:
         )
         self.store = open_store(config)
         self.gen = Generation.build(config, self.stop_event)
+        self.tenure = Tenure(self.store, self.metrics)
+        self._taken: dict[str, float] = {}  # backend -> when (monotonic) a takeover pass probed it
         self._in_flight = 0  # passes running, of any generation (what a stop waits for)
         self._idle = threading.Condition()
         self.scheduler = BackgroundScheduler(
@@ -154,17 +232,30 @@ class Daemon:
         self.httpd = None
 
     # -- probing ------------------------------------------------------------------------------------
-    def _pass(self, schedule: str) -> None:
+    def _pass(self, schedule: str, takeover: str | None = None) -> None:
+        """A pass of the schedule: of the backends this daemon holds, or of one backend it takes over."""
         gen = self.gen
         gen.acquire()
         structlog.contextvars.bind_contextvars(schedule=schedule)  # job threads don't inherit context
         try:
-            self.metrics.schedule_runs.labels(schedule).inc()
             work = gen.work.get(schedule, {})
+            if takeover is None:
+                self.metrics.schedule_runs.labels(schedule).inc()
+            elif self.tenure.holders.get(takeover) == self.store.lease_holder:
+                work = {}  # a pass of this daemon took it meanwhile: that pass's phase it is
+            else:
+                work = {b: cs for b, cs in work.items() if b == takeover}
+            held = self._claim(gen, list(work)) if work else set()
+            now = time.monotonic()
+            if takeover is None:  # a backend just taken over keeps that pass's phase from now on
+                recent = now - gen.interval_s[schedule] / 2
+                held = {b for b in held if self._taken.get(b, -math.inf) < recent}
+            else:
+                self._taken.update(dict.fromkeys(held, now))
+            work = {b: canaries for b, canaries in work.items() if b in held}
             with ThreadPoolExecutor(max_workers=max(1, len(work)), thread_name_prefix="backend") as ex:
                 futures = {
-                    b: ex.submit(probe_backend, gen.backends[b], canaries, self.store, gen.config)
-                    for b, canaries in work.items()
+                    b: ex.submit(self._probe, gen, schedule, b, canaries) for b, canaries in work.items()
                 }
                 # each backend on its own: one that fails (probing, storing or recording) costs its own
                 # series, and its canaries count as failed probes, so the failing-probes alert sees it
@@ -179,21 +270,58 @@ class Daemon:
                         except Exception:
                             log.exception("backend_pass_failed_unrecorded", backend=b)
             self.metrics.publish()  # render the pass once; scrapes serve it until the next
-            self.metrics.schedule_last.labels(schedule).set(time.time())
+            if takeover is None:
+                self.metrics.schedule_last.labels(schedule).set(time.time())
         except Exception:
             log.exception("pass_failed")
         finally:
             structlog.contextvars.unbind_contextvars("schedule")
             gen.release()
 
-    def _job(self, schedule: str) -> None:
-        """A scheduled pass, counted so a stop knows what it waits for; none starts once stopping."""
+    def _probe(self, gen: Generation, schedule: str, backend: str, canaries: list[Canary]) -> BackendRun:
+        """One backend's share of a pass, logged at its start and end with what it found."""
+        log.info("pass.start", schedule=schedule, backend=backend, canaries=len(canaries))
+        t0 = time.monotonic()
+        run = probe_backend(gen.backends[backend], canaries, self.store, gen.config)
+        down = {"unavailable": run.unavailable.kind.value} if run.unavailable else {}
+        log.info(
+            "pass.done",
+            schedule=schedule,
+            backend=backend,
+            run_id=run.run_id,
+            verdicts=dict(Counter(r.comparison.verdict.value for r in run.results)),
+            duration_s=round(time.monotonic() - t0, 3),
+            **down,
+        )
+        return run
+
+    def _claim(self, gen: Generation, backends: list[str]) -> set[str]:
+        """Claim the backends' leases; those this daemon holds. For each held elsewhere, a takeover pass
+        is due when its lease ends: if the holder is dead (or hung), this daemon probes the backend then,
+        about one lease length after the holder's last pass, rather than at its own next pass (up to an
+        interval later). A live holder will have renewed: that pass only claims, and waits again."""
+        held, ends_in = self.tenure.claim(gen.lease_s, backends)
+        if not self.stop_event.is_set():
+            for b, seconds in ends_in.items():
+                self.scheduler.add_job(
+                    self._job,
+                    DateTrigger(datetime.now(UTC) + timedelta(seconds=seconds + TAKEOVER_DELAY_S)),
+                    args=[gen.lead[b], b],
+                    id=TAKEOVER + b,
+                    name=TAKEOVER + b,
+                    misfire_grace_time=None,
+                    replace_existing=True,
+                )
+        return held
+
+    def _job(self, schedule: str, takeover: str | None = None) -> None:
+        """A pass, counted so a stop knows what it waits for; none starts once stopping."""
         with self._idle:
             if self.stop_event.is_set():
                 return
             self._in_flight += 1
         try:
-            self._pass(schedule)
+            self._pass(schedule, takeover)
         finally:
             with self._idle:
                 self._in_flight -= 1
@@ -211,6 +339,8 @@ class Daemon:
         return now
 
     def _missed(self, event: JobExecutionEvent) -> None:
+        if event.job_id.startswith(TAKEOVER):  # still running: the next claim sets another
+            return
         self.metrics.schedule_missed.labels(event.job_id).inc()
         log.warning("pass_skipped", schedule=event.job_id, code=event.code)
 
@@ -258,8 +388,13 @@ class Daemon:
         sdnotify.notify("READY=1", f"STATUS=probing {len(self.config.backends)} backend(s)")
 
     def _restore_last_probes(self) -> None:
-        """Seed last-probe times from the history, so a restart's gap shows (and stale alerts span it)."""
-        for backend, canaries in self.gen.work_pairs().items():
+        """Seed last-probe times from the history, so a restart's gap shows (and stale alerts span it), for
+        the backends this daemon holds (a first claim): another daemon's backends are its to export."""
+        pairs = self.gen.work_pairs()
+        held = self._claim(self.gen, list(pairs))
+        for backend, canaries in pairs.items():
+            if backend not in held:
+                continue
             for canary in canaries:
                 rows = self.store.observations(
                     backend=backend, canary_id=canary, instance=self.store.instance, limit=1
@@ -288,6 +423,7 @@ class Daemon:
                 log.warning("reload_needs_restart", setting=what)
         old, self.gen, self.config = self.gen, gen, config
         self._install(gen)
+        self.tenure.forget(set(old.work_pairs()) - set(gen.work_pairs()))
         old.retire()
         log.info("reloaded", schedules=[s.name for s in config.schedules])
         sdnotify.notify("READY=1", f"STATUS=probing {len(config.backends)} backend(s)")
@@ -306,6 +442,12 @@ class Daemon:
             done = self._idle.wait_for(lambda: self._in_flight == 0, timeout=bound)
         if done:
             self.gen.retire()
+        try:  # the fleet's other daemons take these backends over at their next pass, not at expiry
+            released = self.store.release_leases()
+            if released:
+                log.info("lease.released", leases=released)
+        except Exception:
+            log.exception("lease.release_failed")
         if self.httpd is not None:
             self.httpd.shutdown()
         if not done:

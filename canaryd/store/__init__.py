@@ -8,7 +8,8 @@ The package, by role (dependencies point down this list, and never into ``canary
 * ``writes`` and ``queries``: the two halves of `Store`, composed here.
 
 Fleets: several daemons (distinct instance names) may write one PostgreSQL database at once; see
-``writes`` for how content-addressed rows and shared baselines stay consistent.
+``writes`` for how content-addressed rows and shared baselines stay consistent, and ``leases`` for how
+they share the probing.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import structlog
 
 from canaryd.errors import InputError
 from canaryd.store.engine import StorageUnusable, label, make_engine, migrate
+from canaryd.store.leases import Leases, holder_name, lease_seconds
 from canaryd.store.queries import Queries
 from canaryd.store.records import (
     Accepted,
@@ -50,6 +52,7 @@ __all__ = [
     "Store",
     "StoredObservation",
     "existing_revision",
+    "lease_seconds",
     "naming_storage",
     "open_store",
 ]
@@ -60,16 +63,18 @@ if TYPE_CHECKING:
 log = structlog.get_logger("canaryd.store")
 
 
-class Store(Writes, Queries):
+class Store(Writes, Queries, Leases):
     """All reads and writes of the history. One instance per process; thread-safe (a session per call).
 
     Several processes may share one database (a fleet of daemons on PostgreSQL, or the daemon and the CLI on
     SQLite): content-addressed rows are inserted idempotently, every run records the ``instance`` that
-    probed, and baselines are shared: one baseline per backend × canary for the whole fleet.
+    probed, and baselines are shared: one baseline per backend × canary for the whole fleet; on PostgreSQL,
+    leases (``leases``) give each backend to one live daemon of the fleet.
     """
 
     def __init__(self, url: str, instance: str | None = None) -> None:
         self.instance = instance or socket.gethostname()
+        self.lease_holder = holder_name(self.instance)
         self._detector_lock = threading.Lock()
         self.engine = make_engine(url)
         try:

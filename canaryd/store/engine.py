@@ -22,7 +22,7 @@ from canaryd.errors import InputError
 from canaryd.files import DIR_MODE, FILE_MODE
 
 MIGRATIONS = Path(__file__).with_name("migrations")
-SCHEMA_REVISION = "0003"  # the head revision (tests/unit/test_migrations.py checks it against the scripts)
+SCHEMA_REVISION = "0004"  # the head revision (tests/unit/test_migrations.py checks it against the scripts)
 TABLES = frozenset(
     {"run", "stack", "payload", "request", "outcome", "event", "observation", "baseline", "keep"}
 )

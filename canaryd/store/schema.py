@@ -22,6 +22,7 @@ Layout, chosen so that storage grows with change rather than with time:
 * ``keep``: observations a pin, preflight or record refers to; ``prune`` never deletes them.
 * ``calibration``: the noise model ``baseline calibrate`` learned per backend × canary.
 * ``detector``: each backend's e-CUSUM statistic and alarm, carried across cycles and restarts.
+* ``lease``: which daemon of a PostgreSQL fleet runs each backend's schedules, until when (``leases``).
 """
 
 from __future__ import annotations
@@ -189,6 +190,15 @@ class DetectorRow(SQLModel, table=True):
     alarm: bool
     pending: list = Field(sa_column=Column(JSON, nullable=False))
     updated_at: datetime
+
+
+class LeaseRow(SQLModel, table=True):
+    """Which daemon process runs a backend's schedules, until ``expires`` (the database's clock)."""
+
+    __tablename__ = "lease"
+    backend: str = Field(primary_key=True)
+    holder: str  # `canaryd.store.leases.Leases.lease_holder`: instance name and a per-process token
+    expires: datetime
 
 
 def encode_payload(tokens: list[TokenLogprob]) -> tuple[str, bytes]:

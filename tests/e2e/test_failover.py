@@ -1,0 +1,229 @@
+"""A fleet: two real daemons (`canaryd run` processes) with one config on one real PostgreSQL database.
+
+The backends are of the scripted kind (no network), probed every 2 s. While both daemons live, each
+backend's passes come from one daemon: consecutive runs of a backend (the ``run`` table, with the
+instance that probed) are an interval apart, never two in one interval. A holder killed with SIGKILL has
+its backends taken over by the other as its leases end (a lease and a late start after its last pass);
+one stopped with SIGTERM
+releases them, and the other takes them over at its next pass. `Fleet` is shared with bench/failover.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, text
+
+from canaryd.store import lease_seconds
+from tests.e2e.postgres import PostgresServer
+from tests.unit.scripted_lab import PLAIN, free_port, scripted
+
+INTERVAL = 2.0
+# What a pass may start late on this (shared, 2-core) machine: APScheduler's wake-up, a daemon busy
+# storing another backend's pass, the database's commit. Passes of one daemon are otherwise exactly
+# INTERVAL apart (no jitter is configured).
+SLACK = 1.0
+
+
+class Fleet:
+    """Daemons sharing ``backends`` scripted backends and one database; each has its own ``[daemon]``
+    section (instance name, metrics port) and log file, and everything else is one config."""
+
+    def __init__(self, root: Path, url: str, backends: int = 3, interval: float = INTERVAL) -> None:
+        self.root, self.url, self.interval = root, url, interval
+        self.backends = [f"b{i}" for i in range(1, backends + 1)]
+        (root / "plain.toml").write_text(PLAIN)
+        self.common = (
+            'state_dir = "state"\nsuites = ["plain.toml"]\n'
+            + "".join(scripted(b) for b in self.backends)
+            + f'[storage]\nurl = "{url}"\n'
+            + f'[[schedules]]\nname = "fast"\nevery = "{interval}s"\n'
+        )
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.ports: dict[str, int] = {}
+        self.engine = create_engine(url)
+
+    def start(self, instance: str) -> subprocess.Popen:
+        self.ports[instance] = port = free_port()
+        path = self.root / f"{instance}.toml"
+        path.write_text(self.common + f'[daemon]\nlisten = "127.0.0.1:{port}"\ninstance = "{instance}"\n')
+        with open(self.root / f"{instance}.log", "w") as log:
+            self.procs[instance] = p = subprocess.Popen(
+                [sys.executable, "-m", "canaryd", "-c", str(path), "run"],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "NO_COLOR": "1"},
+            )
+        return p
+
+    def log(self, instance: str) -> list[dict]:
+        """The daemon's JSON log lines."""
+        lines = (self.root / f"{instance}.log").read_text().splitlines()
+        return [json.loads(line) for line in lines if line.startswith("{")]
+
+    def wait_for(self, what, timeout: float, why: str):
+        deadline = time.monotonic() + timeout
+        while not (found := what()):
+            for name, p in self.procs.items():
+                if p.poll() is not None and p.returncode not in (0, -signal.SIGKILL):
+                    raise AssertionError(f"{name} exited {p.returncode}: {self.tail(name)}")
+            assert time.monotonic() < deadline, f"timed out waiting: {why}"
+            time.sleep(0.1)
+        return found
+
+    def tail(self, instance: str) -> str:
+        return (self.root / f"{instance}.log").read_text()[-3000:]
+
+    def runs(self) -> list[tuple[str, str, float]]:
+        """(backend, instance, start as Unix time) of every pass, in order."""
+        with self.engine.connect() as c:
+            rows = c.execute(text("SELECT backend, instance, started_at FROM run ORDER BY started_at"))
+            return [(b, i, (t if t.tzinfo else t.replace(tzinfo=UTC)).timestamp()) for b, i, t in rows]
+
+    def holders(self) -> dict[str, str]:
+        """backend -> instance holding its lease now."""
+        with self.engine.connect() as c:
+            rows = c.execute(text("SELECT backend, holder FROM lease WHERE expires > now()"))
+            return {b: h.split("#")[0] for b, h in rows}
+
+    def metric(self, instance: str, name: str, backend: str) -> float | None:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{self.ports[instance]}/metrics", timeout=10).read()
+        prefix = f'{name}{{backend="{backend}"'
+        values = [
+            float(line.rsplit(" ", 1)[1]) for line in body.decode().splitlines() if line.startswith(prefix)
+        ]
+        return max(values) if values else None
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        self.engine.dispose()
+
+
+def doubles(runs: list[tuple[str, str, float]], interval: float) -> int:
+    """Passes of a backend closer than half an interval to its previous one: probed twice in one interval
+    (one daemon's own passes are an interval apart)."""
+    last: dict[str, float] = {}
+    n = 0
+    for b, _, t in runs:
+        if b in last and t - last[b] < interval / 2:
+            n += 1
+        last[b] = t
+    return n
+
+
+def gaps_after(runs: list[tuple[str, str, float]], dead: str, after: float) -> dict[str, float]:
+    """For each backend ``dead`` probed last before ``after``: seconds from that last pass to the first
+    pass after it by another daemon."""
+    out: dict[str, float] = {}
+    for b in {b for b, i, _ in runs if i == dead}:
+        mine = [t for rb, i, t in runs if rb == b and i == dead and t <= after]
+        others = [t for rb, i, t in runs if rb == b and i != dead and mine and t > mine[-1]]
+        if mine and others:
+            out[b] = others[0] - mine[-1]
+    return out
+
+
+@pytest.fixture(scope="module")
+def pg():
+    with PostgresServer() as server:
+        yield server
+
+
+@pytest.fixture
+def fleet(pg, tmp_path):
+    f = Fleet(tmp_path, pg.create_database("fleet"))
+    yield f
+    f.stop()
+
+
+def test_two_daemons_share_the_work_and_take_over_from_a_killed_or_stopped_one(fleet):
+    interval, lease = fleet.interval, lease_seconds(fleet.interval)
+    fleet.start("d1")
+    fleet.start("d2")
+    both = lambda: all(any(e["event"] == "started" for e in fleet.log(d)) for d in ("d1", "d2"))  # noqa: E731
+    fleet.wait_for(both, 60, "both daemons started")
+    t_both = time.time()
+    time.sleep(4 * interval)  # four intervals with both alive
+
+    runs = fleet.runs()
+    both_live = [r for r in runs if r[2] >= t_both]
+    assert {b for b, _, _ in both_live} == set(fleet.backends)
+    assert doubles(runs, interval) == 0, runs
+    holders = fleet.holders()
+    assert set(holders) == set(fleet.backends)
+    for b in fleet.backends:  # once per interval (by one daemon or, after a late pass, the other) ...
+        assert 3 <= sum(1 for rb, _, _ in both_live if rb == b) <= 5, both_live
+        # ... and the metrics of both daemons say which
+        other = "d2" if holders[b] == "d1" else "d1"
+        assert fleet.metric(holders[b], "canaryd_backend_lease_held", b) == 1
+        assert fleet.metric(other, "canaryd_backend_lease_held", b) == 0
+        assert fleet.metric(other, "canaryd_canary_last_probe_timestamp_seconds", b) is None  # nothing stale
+        assert fleet.metric(holders[b], "canaryd_canary_last_probe_timestamp_seconds", b) >= t_both
+
+    # SIGKILL the holder of b1: its backends go to the other as their leases end
+    victim = holders["b1"]
+    heir = "d2" if victim == "d1" else "d1"
+    fleet.procs[victim].send_signal(signal.SIGKILL)
+    killed = time.time()
+    fleet.procs[victim].wait()
+    theirs = {b for b, h in holders.items() if h == victim}
+    fleet.wait_for(
+        lambda: {b for b, i, t in fleet.runs() if i == heir and t > killed} >= theirs,
+        lease + 2 * interval + 10,
+        f"{heir} takes over {sorted(theirs)}",
+    )
+    gaps = gaps_after(fleet.runs(), victim, killed)
+    assert set(gaps) == theirs
+    for b, gap in gaps.items():  # the heir's takeover pass is due at the lease's end (+ a late start)
+        assert gap <= lease + SLACK, f"{b}: {gap:.2f}s without a probe (lease {lease}s)"
+    acquired = [e for e in fleet.log(heir) if e["event"] == "lease.acquired" and e["level"] == "warning"]
+    assert {e["backend"] for e in acquired} >= theirs
+    assert all(e["previous"].startswith(f"{victim}#") for e in acquired if e["backend"] in theirs)
+    assert fleet.metric(heir, "canaryd_backend_lease_held", "b1") == 1
+
+    # Restart the victim as a standby, then stop the holder cleanly: its leases are released, so the
+    # standby takes over at its next pass (an interval at most), not at the leases' expiry.
+    fleet.start(victim)
+    fleet.wait_for(lambda: any(e["event"] == "started" for e in fleet.log(victim)), 60, "restart")
+    time.sleep(interval)
+    term = time.time()
+    fleet.procs[heir].send_signal(signal.SIGTERM)
+    assert fleet.procs[heir].wait(timeout=30) == 0, fleet.tail(heir)
+    stopped = time.time()
+    assert any(e["event"] == "lease.released" for e in fleet.log(heir)), fleet.tail(heir)
+    fleet.wait_for(
+        lambda: {b for b, i, t in fleet.runs() if i == victim and t > stopped} == set(fleet.backends),
+        interval + SLACK + 10,
+        f"{victim} takes over after a clean stop",
+    )
+    runs = fleet.runs()
+    took = [
+        min(t for b2, i, t in runs if b2 == b and i == victim and t > stopped) - stopped
+        for b in fleet.backends
+    ]
+    assert max(took) <= interval + SLACK, took
+    # never two daemons in one interval while both live (the handover itself may come sooner than an
+    # interval after the stopped daemon's last pass: released, not expired)
+    assert doubles([r for r in runs if r[2] < term], interval) == 0, runs
+    assert doubles([r for r in runs if r[2] > term], interval) == 0, runs
+
+    # progress logs: every pass of a backend logged with its canaries and verdicts (the stopped daemon's
+    # log is complete)
+    log = fleet.log(heir)
+    starts = [e for e in log if e["event"] == "pass.start"]
+    done = [e for e in log if e["event"] == "pass.done"]
+    assert starts and all(e["canaries"] == 3 and e["level"] == "info" for e in starts)
+    assert len(done) == len(starts) and all(sum(e["verdicts"].values()) == 3 for e in done)
+    assert datetime.now(UTC).timestamp() - t_both < 120

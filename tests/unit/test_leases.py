@@ -1,0 +1,150 @@
+"""Leases without PostgreSQL: the lease length, SQLite's single-daemon behaviour, how the daemon follows
+what it holds (logs, ``canaryd_backend_lease_held``, dropped gauges) and its pass progress logs.
+
+The claim itself (the atomic upsert on the database's clock) needs PostgreSQL: tests/e2e/test_failover.py
+runs it with two real daemons.
+"""
+
+from __future__ import annotations
+
+import pytest
+import structlog
+
+from canaryd.daemon.metrics import Metrics
+from canaryd.daemon.service import Daemon, Generation, Tenure
+from canaryd.store import Store, lease_seconds
+from canaryd.store.leases import GRACE_MAX_S, GRACE_MIN_S, Lease
+from tests.unit.scripted_lab import ScriptedLab, scripted
+from tests.unit.test_scripted_daemon import IDS, daemon, passes, value, wait  # noqa: F401 (fixture)
+
+
+@pytest.mark.parametrize("interval", [1.0, 2.0, 10.0, 60.0, 300.0, 3600.0, 86400.0])
+@pytest.mark.parametrize("jitter", [0.0, 30.0])
+def test_a_lease_outlasts_the_holders_next_pass_by_a_bounded_grace(interval, jitter):
+    lease = lease_seconds(interval, jitter)
+    grace = lease - interval - jitter  # how late the holder's next pass may start and still renew
+    assert GRACE_MIN_S <= grace <= GRACE_MAX_S
+    assert grace <= max(interval / 4, GRACE_MIN_S)  # a dead holder is noticed soon after its pass was due
+    assert lease_seconds(interval * 2, jitter) > lease  # a slower schedule, a longer lease
+
+
+def test_on_sqlite_every_backend_is_held_and_nothing_is_written(tmp_path):
+    store = Store(f"sqlite:///{tmp_path}/db.sqlite", instance="solo")
+    try:
+        assert not store.leased
+        assert store.lease_holder.startswith("solo#")
+        me = store.lease_holder
+        assert store.claim_leases({"a": 2.5, "b": 60}) == {"a": Lease(me, 2.5), "b": Lease(me, 60)}
+        assert store.release_leases() == 0
+        with store.engine.connect() as c:
+            assert c.exec_driver_sql("SELECT count(*) FROM lease").scalar() == 0
+    finally:
+        store.close()
+
+
+def test_two_stores_of_one_instance_are_two_holders(tmp_path):
+    a, b = (Store(f"sqlite:///{tmp_path}/db.sqlite", instance="same") for _ in range(2))
+    try:
+        assert a.lease_holder != b.lease_holder
+    finally:
+        a.close()
+        b.close()
+
+
+def test_each_backend_leases_for_its_most_frequent_schedule(tmp_path):
+    lab = ScriptedLab(
+        tmp_path,
+        scripted("both") + scripted("slow"),
+        tail=(
+            '[[schedules]]\nname = "fast"\nevery = "10s"\njitter = "2s"\nbackends = ["both"]\n'
+            '[[schedules]]\nname = "hourly"\nevery = "1h"\n'
+        ),
+    )
+    gen = Generation.build(lab.config)
+    try:
+        assert gen.lease_s == {"both": lease_seconds(10, 2), "slow": lease_seconds(3600)}
+        assert gen.lead == {"both": "fast", "slow": "hourly"}  # the schedule a takeover pass runs
+    finally:
+        gen.close()
+        lab.store.close()
+
+
+class FleetStore:
+    """What `Tenure` asks of the store, answering as a PostgreSQL fleet would: ``holders`` says who holds
+    each backend after the next claim (the real claim runs in tests/e2e/test_failover.py)."""
+
+    leased = True
+    lease_holder = "me#1"
+
+    def __init__(self) -> None:
+        self.holders: dict[str, str | None] = {}
+        self.down = False
+
+    def claim_leases(self, seconds):
+        if self.down:
+            raise OSError("connection refused")
+        return {
+            b: Lease(self.holders.get(b), seconds[b] if self.holders.get(b) == "me#1" else 1.5)
+            for b in seconds
+        }
+
+
+def test_the_daemon_logs_and_exports_each_change_of_what_it_holds():
+    fleet, metrics = FleetStore(), Metrics()
+    tenure = Tenure(fleet, metrics)
+    lease = {"a": 2.5, "b": 2.5}
+    held = lambda b: metrics.registry.get_sample_value("canaryd_backend_lease_held", {"backend": b})  # noqa: E731
+    fleet.holders = {"a": "me#1", "b": "other#2"}
+    with structlog.testing.capture_logs() as logs:
+        assert tenure.claim(lease, ["a", "b"]) == ({"a"}, {"b": 1.5})  # when to ask for b again
+        assert tenure.claim(lease, ["a", "b"]) == ({"a"}, {"b": 1.5})  # nothing changed: nothing logged
+        fleet.holders = {"a": "other#2", "b": "me#1"}  # a pass came late (a lost); b's holder died
+        assert tenure.claim(lease, ["a", "b"]) == ({"b"}, {"a": 1.5})
+        fleet.down = True
+        assert tenure.claim(lease, ["a", "b"]) == (set(), {})
+    events = [(e["event"], e["log_level"], e.get("backend")) for e in logs]
+    assert events == [
+        ("lease.acquired", "info", "a"),
+        ("lease.held_elsewhere", "info", "b"),
+        ("lease.lost", "warning", "a"),
+        ("lease.acquired", "warning", "b"),  # a takeover
+        ("lease.claim_failed", "error", None),
+    ]
+    assert logs[3]["previous"] == "other#2" and logs[2]["holder"] == "other#2"
+    assert (held("a"), held("b")) == (0, 1)  # a failed claim changes no series: they age instead
+
+
+def test_a_daemon_that_does_not_hold_a_backend_drops_its_gauges_but_not_its_counters(daemon):  # noqa: F811
+    d = daemon(scripted())
+    wait("a pass", lambda: all(passes(d, "fake", c) >= 1 for c in IDS))
+    assert value(d, "canaryd_backend_lease_held", backend="fake") == 1  # SQLite: held
+    d.metrics.set_lease("fake", False)
+    assert value(d, "canaryd_backend_lease_held", backend="fake") == 0
+    for c in IDS:
+        assert value(d, "canaryd_canary_last_probe_timestamp_seconds", backend="fake", canary=c) is None
+        assert value(d, "canaryd_canary_verdict", backend="fake", canary=c, verdict="identical") is None
+        assert value(d, "canaryd_canary_probe_interval_seconds", backend="fake", canary=c) == 1
+        assert passes(d, "fake", c) >= 1
+    assert value(d, "canaryd_backend_reachable", backend="fake") is None
+
+
+def test_each_pass_logs_its_start_and_its_verdicts(tmp_path):
+    lab = ScriptedLab(tmp_path, scripted(), tail='[[schedules]]\nname = "fast"\nevery = "1h"\n')
+    lab.store.close()
+    d = Daemon(lab.path, lab.config)
+    try:
+        with structlog.testing.capture_logs() as logs:
+            d._job("fast")
+            d._job("fast")
+    finally:
+        d.stop()
+    passes_ = [(e["event"], e["backend"]) for e in logs if e["event"].startswith("pass.")]
+    assert passes_ == [("pass.start", "fake"), ("pass.done", "fake")] * 2
+    start, done = (
+        (e for e in logs if e["event"] == "pass.start"),
+        [e for e in logs if e["event"] == "pass.done"],
+    )
+    assert all(e["canaries"] == len(IDS) and e["log_level"] == "info" for e in start)
+    assert done[0]["verdicts"] == {"baseline": len(IDS)} and done[1]["verdicts"] == {"identical": len(IDS)}
+    assert all(e["duration_s"] >= 0 and "unavailable" not in e for e in done)
+    assert not [e for e in logs if e["event"].startswith("lease.")]  # SQLite: no lease chatter
