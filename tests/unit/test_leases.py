@@ -7,6 +7,7 @@ runs it with two real daemons.
 
 from __future__ import annotations
 
+import httpx2
 import pytest
 import structlog
 
@@ -15,7 +16,7 @@ from canaryd.daemon.service import Daemon, Generation, Tenure
 from canaryd.store import Store, lease_seconds
 from canaryd.store.leases import GRACE_MAX_S, GRACE_MIN_S, Lease
 from tests.unit.scripted_lab import ScriptedLab, scripted
-from tests.unit.test_scripted_daemon import IDS, daemon, passes, value, wait  # noqa: F401 (fixture)
+from tests.unit.test_scripted_daemon import IDS, daemon, passes, port, value, wait  # noqa: F401 (fixture)
 
 
 @pytest.mark.parametrize("interval", [1.0, 2.0, 10.0, 60.0, 300.0, 3600.0, 86400.0])
@@ -123,9 +124,13 @@ def test_a_daemon_that_does_not_hold_a_backend_drops_its_gauges_but_not_its_coun
     for c in IDS:
         assert value(d, "canaryd_canary_last_probe_timestamp_seconds", backend="fake", canary=c) is None
         assert value(d, "canaryd_canary_verdict", backend="fake", canary=c, verdict="identical") is None
-        assert value(d, "canaryd_canary_probe_interval_seconds", backend="fake", canary=c) == 1
-        assert passes(d, "fake", c) >= 1
+        assert passes(d, "fake", c) >= 1  # the history stays, of course
     assert value(d, "canaryd_backend_reachable", backend="fake") is None
+    assert value(d, "canaryd_backend_probe_interval_seconds", backend="fake") == 1
+    assert value(d, "canaryd_backend_probes_total", backend="fake") >= len(IDS)
+    served = httpx2.get(f"http://127.0.0.1:{port(d)}/metrics", timeout=5).text
+    assert 'canaryd_backend_lease_held{backend="fake"} 0.0' in served  # published at once
+    assert 'canaryd_canary_verdict{backend="fake"' not in served
 
 
 def test_each_pass_logs_its_start_and_its_verdicts(tmp_path):
