@@ -69,6 +69,7 @@ def prometheus(tmp_path_factory):
     metrics = Metrics()
     ids = ("add", "capital", "colors")
     metrics.set_intervals([("local", c, 1.0) for c in ids])
+    metrics.set_lease("local", True)  # as the daemon says of every backend it probes (always, on SQLite)
     server = MetricsServer(("127.0.0.1", 0), metrics)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     stop = threading.Event()
