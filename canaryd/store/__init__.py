@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from canaryd.errors import InputError
+from canaryd.store.cache import Cache, Judging
 from canaryd.store.engine import StorageUnusable, label, make_engine, migrate
 from canaryd.store.queries import Queries
 from canaryd.store.records import (
@@ -42,6 +43,7 @@ __all__ = [
     "Baseline",
     "ComparisonLike",
     "DetectorDoc",
+    "Judging",
     "NoiseModelLike",
     "RunInfo",
     "RunStacks",
@@ -69,6 +71,7 @@ class Store(Writes, Queries):
     def __init__(self, url: str, instance: str | None = None) -> None:
         self.instance = instance or socket.gethostname()
         self._detector_lock = threading.Lock()
+        self._cache = Cache()
         self.engine = make_engine(url)
         try:
             before, after = migrate(self.engine)
