@@ -1,16 +1,19 @@
 """canaryd's CPU per probe against the floor of the same exchange, and where one probe's CPU goes.
 
 A loopback server (``tests/unit/loopback.py``, in a child process so that its CPU is not counted) replays a
-vLLM chat answer of 32 tokens with the top 5 alternatives each. In one run this measures, as medians of
-``--runs`` runs:
+vLLM chat answer of 32 tokens with the top 5 alternatives each. In one run this measures, in ``--runs``
+rounds that each take all three side by side (medians printed; the ratios are medians of each round's):
 
 * the floor: a bare POST of the same request body to the same server, plus ``json.loads`` of the answer;
 * the daemon path: `probe_backend` passes on one open store and backend (what each daemon cycle does);
 * the CLI path: `run_pass`, which ``canaryd check`` runs: suites, backends and store opened every time;
-* one probe's phases, before (the uncached calls: body built per request, baseline and calibration read
-  per probe, a transaction per observation) and after (what a pass now calls).
+* one probe's phases, before (the per-probe calls a pass used to make: body built per request, baseline
+  and calibration read per probe, a transaction per observation) and after (what a pass now calls).
 
-    .venv/bin/python bench/probe_cpu.py [--canaries 8] [--passes 30] [--runs 5]
+``--before REF`` runs the same measurements on a git revision (in a temporary worktree) and prints them
+beside these, its phases as the "before".
+
+    .venv/bin/python bench/probe_cpu.py [--canaries 13] [--passes 30] [--runs 5] [--before REF]
 """
 
 from __future__ import annotations
@@ -37,8 +40,8 @@ from canaryd.backends import openai_compat as compat  # noqa: E402
 from canaryd.backends import openai_wire as wire  # noqa: E402
 from canaryd.canaries import load_suites  # noqa: E402
 from canaryd.config import load_config  # noqa: E402
+from canaryd.judge.compare import compare  # noqa: E402
 from canaryd.probe.run import plan, probe_backend, run_pass  # noqa: E402
-from canaryd.probe.shapes import shape_of  # noqa: E402
 from canaryd.store import Store  # noqa: E402
 
 TOKENS, TOP = 32, 5
@@ -60,7 +63,9 @@ def vllm_body() -> dict:
     content = []
     for i, w in enumerate(words):
         top = [{"token": w, "logprob": -0.0123 * i, "bytes": list(w.encode())}]
-        top += [{"token": f" alt{i}_{j}", "logprob": -1.5 - j - i / 100, "bytes": None} for j in range(TOP - 1)]
+        top += [
+            {"token": f" alt{i}_{j}", "logprob": -1.5 - j - i / 100, "bytes": None} for j in range(TOP - 1)
+        ]
         content.append({"token": w, "logprob": -0.0123 * i, "bytes": list(w.encode()), "top_logprobs": top})
     return {
         "id": "chatcmpl-9f1c2d7e0b3a4e6f8a1b2c3d4e5f6a7b",
@@ -99,7 +104,7 @@ def serve() -> None:
 
 
 def suite(n: int) -> str:
-    return "[suite]\nname = \"bench\"\n" + "".join(
+    return '[suite]\nname = "bench"\n' + "".join(
         f'[[canary]]\nid = "c{i}"\nmessages = [{{ role = "user", content = "Count to {i}." }}]\n'
         f"decoding = {{ max_tokens = {TOKENS}, top_logprobs = {TOP} }}\n"
         for i in range(n)
@@ -114,20 +119,19 @@ def cpu(fn: Callable[[], object], n: int) -> float:
     return (time.process_time() - c0) / n
 
 
-def median_of(runs: int, fn: Callable[[], float]) -> float:
-    return statistics.median(fn() for _ in range(runs))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--canaries", type=int, default=8, help="canaries per pass")
+    ap.add_argument("--canaries", type=int, default=13, help="canaries per pass (the default suite has 13)")
     ap.add_argument("--passes", type=int, default=30, help="passes per run")
     ap.add_argument("--runs", type=int, default=5, help="runs per figure (medians are printed)")
+    ap.add_argument("--before", metavar="REF", help="also measure this git revision, in a worktree")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve:
         return serve()
     log.configure("warning")
+    old = measure_revision(args) if args.before else None
     child = subprocess.Popen(
         [sys.executable, __file__, "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
@@ -136,13 +140,40 @@ def main() -> None:
         work = Path(tempfile.mkdtemp(prefix="canaryd-probe-cpu-"))
         (work / "suite.toml").write_text(suite(args.canaries))
         (work / "canaryd.toml").write_text(CONFIG.format(base_url=f"{url}/ok/v1"))
-        report(load_config(work / "canaryd.toml"), args)
+        figures = measure(load_config(work / "canaryd.toml"), args)
     finally:
         child.stdin.close()  # type: ignore[union-attr]
         child.wait(10)
+    if args.json:
+        print(json.dumps(figures))
+    else:
+        report(figures, old, args)
 
 
-def report(config, args) -> None:
+def measure_revision(args) -> dict:
+    """This bench run on another revision of canaryd (its own loopback server, one after the other)."""
+    tree = Path(tempfile.mkdtemp(prefix="canaryd-before-")) / "tree"
+    subprocess.run(
+        ["git", "-C", str(REPO), "worktree", "add", "--detach", "-q", str(tree), args.before], check=True
+    )
+    try:
+        (tree / "bench" / "probe_cpu.py").write_text(Path(__file__).read_text())
+        flags = ["--canaries", str(args.canaries), "--passes", str(args.passes), "--runs", str(args.runs)]
+        out = subprocess.run(
+            [sys.executable, str(tree / "bench" / "probe_cpu.py"), "--json", *flags],
+            env={**os.environ, "PYTHONPATH": str(tree)},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        return json.loads(out.splitlines()[-1])
+    finally:
+        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], check=False)
+
+
+def measure(config, args) -> dict:
+    """Floor, daemon and CLI figures, and one probe's phases: before (the per-probe calls a pass used
+    to make, which every revision has) and, where this revision has them, after."""
     canaries = plan(config, load_suites([s.path for s in config.suites]))["replay"]
     n, runs, passes = len(canaries), args.runs, args.passes
     run_pass(config)  # baselines
@@ -150,84 +181,102 @@ def report(config, args) -> None:
     store = Store(config.storage_url)
     prober = backend.prober
     canary = canaries[0]
-    prepared = prober._prepared(canary)
+    chat_url = f"{prober.cfg.base_url}/chat/completions"
+    content = compat.wire_body(prober.request(canary))
 
-    with httpx2.Client() as bare:  # the floor: the same bytes to the same server, and json.loads
+    bare = httpx2.Client()  # the floor: the same bytes to the same server, and json.loads
 
-        def floor_once() -> None:
-            json.loads(bare.post(prepared.url, content=prepared.content, headers=compat.JSON).content)
-
-        floor_once()
-        floor = median_of(runs, lambda: cpu(floor_once, passes * n))
+    def floor_once() -> None:
+        json.loads(bare.post(chat_url, content=content, headers=compat.JSON).content)
 
     def daemon_once() -> None:
         probe_backend(backend, canaries, store, config)
 
-    daemon_once()
-    daemon = median_of(runs, lambda: cpu(daemon_once, passes) / n)
-    cli = median_of(runs, lambda: cpu(lambda: run_pass(config), max(3, passes // 3)) / n)
+    floor_once(), daemon_once()
+    rounds = []  # the three side by side in each round, so that a busy moment weighs on all of them
+    for _ in range(runs):
+        f, d = cpu(floor_once, passes * n), cpu(daemon_once, passes) / n
+        rounds.append((f, d, cpu(lambda: run_pass(config), max(3, passes // 3)) / n))
+    bare.close()
+    floor, daemon, cli = (statistics.median(r[i] for r in rounds) for i in range(3))
+    ratios = {key: statistics.median(r[i] / r[0] for r in rounds) for i, key in ((1, "daemon"), (2, "cli"))}
 
     # -- one probe, phase by phase ----------------------------------------------------------------
     k = passes * n
     obs = backend.probe(canary)
-    reply = prober.exchange("POST", prepared.url, content=prepared.content, headers=compat.JSON)
-    shape = shape_of(canary)
+    reply = prober.exchange("POST", chat_url, content=content, headers=compat.JSON)
     run_id = store.start_run("replay")
+    base = store.baseline("replay", canary.id)
+    comparison = compare(base.observation, obs, correct=None, baseline_correct=base.correct)
 
     def request_before() -> None:
         body = {**wire.request_body(prober.cfg.model, canary), **prober.extra_params(canary)}
         wire.request_hash(body)
-        prober.exchange("POST", prepared.url, content=compat.wire_body(body), headers=compat.JSON)
-
-    def request_after() -> None:
-        req = prober._prepared(canary)
-        prober.exchange("POST", req.url, content=req.content, headers=compat.JSON)
+        prober.exchange("POST", chat_url, content=compat.wire_body(body), headers=compat.JSON)
 
     def parse() -> None:
         wire.parse_chat(wire.parse_json(reply.body))
 
-    judged = shape.judge(store.judging("replay"), config.compare, canary, [obs])[0]
-
     def judge() -> None:
-        shape.judge(reads, config.compare, canary, [obs])
+        compare(base.observation, obs, correct=None, baseline_correct=base.correct)
 
     def read_before() -> None:
         store.baseline("replay", canary.id)
         store.calibration("replay", canary.id)
 
-    def read_after() -> None:  # one generation statement per pass, shared by its probes
-        store.judging("replay")
-
     def write_before() -> None:
-        store.add_observation(run_id, obs, judged.comparison, judged.baseline_id)
+        store.add_observation(run_id, obs, comparison, base.observation_id)
 
-    items = [(obs, judged.comparison, judged.baseline_id)] * n
+    phases = {
+        "request (build, send, receive)": [cpu(request_before, k)],
+        "parse (JSON, typed fields)": [cpu(parse, k)],
+        "judge (compare with the baseline)": [cpu(judge, k)],
+        "store read (baseline, calibration)": [cpu(read_before, k)],
+        "store write (observation)": [cpu(write_before, k)],
+    }
+    if hasattr(store, "judging"):  # this revision has the cheap path
 
-    def write_after() -> None:  # one transaction per pass
-        store.record(run_id, items, n)
+        def request_after() -> None:
+            req = prober._prepared(canary)
+            prober.exchange("POST", req.url, content=req.content, headers=compat.JSON)
 
-    reads = store.judging("replay")
-    phases = [
-        ("request (build, send, receive)", cpu(request_before, k), cpu(request_after, k)),
-        ("parse (JSON, typed fields)", cpu(parse, k), cpu(parse, k)),
-        ("judge (compare with the baseline)", cpu(judge, k), cpu(judge, k)),
-        ("store read (baseline, calibration)", cpu(read_before, k), cpu(read_after, passes) / n),
-        ("store write (observation)", cpu(write_before, k), cpu(write_after, passes) / n),
-    ]
+        items = [(obs, comparison, base.observation_id)] * n
+        phases["request (build, send, receive)"].append(cpu(request_after, k))
+        phases["parse (JSON, typed fields)"].append(cpu(parse, k))
+        phases["judge (compare with the baseline)"].append(cpu(judge, k))
+        # one generation statement per pass, shared by its probes; one transaction per pass
+        phases["store read (baseline, calibration)"].append(cpu(lambda: store.judging("replay"), passes) / n)
+        phases["store write (observation)"].append(cpu(lambda: store.record(run_id, items, n), passes) / n)
     backend.close()
     store.close()
+    return {"floor": floor, "daemon": daemon, "cli": cli, "ratios": ratios, "canaries": n, "phases": phases}
 
+
+def report(now: dict, old: dict | None, args) -> None:
     ms = 1000
-    print(f"canaryd probe CPU ({os.cpu_count()} cores; {TOKENS} tokens, top {TOP}; {n} canaries per pass;")
-    print(f"medians of {runs} runs; loopback replay server in another process)")
-    print(f"  {'floor: bare POST + json.loads':<44} {floor * ms:7.3f} ms")
-    print(f"  {'daemon path (probe_backend), per probe':<44} {daemon * ms:7.3f} ms  {daemon / floor:5.1f}x floor")
-    print(f"  {'CLI check path (run_pass), per probe':<44} {cli * ms:7.3f} ms  {cli / floor:5.1f}x floor")
-    print(f"  one probe, by phase{'':<24} {'before':>7}    {'after':>7}")
-    for name, before, after in phases:
-        print(f"    {name:<40} {before * ms:7.3f} ms {after * ms:7.3f} ms")
-    total_b, total_a = sum(p[1] for p in phases), sum(p[2] for p in phases)
-    print(f"    {'sum':<40} {total_b * ms:7.3f} ms {total_a * ms:7.3f} ms")
+
+    def line(name: str, f: dict, key: str) -> str:
+        return f"{f[key] * ms:7.3f} ms {f['ratios'].get(key, 1.0):5.1f}x"
+
+    print(f"canaryd CPU per probe ({os.cpu_count()} cores; a vLLM chat answer of {TOKENS} tokens, top {TOP};")
+    print(f"{now['canaries']} canaries a pass; medians of {args.runs} runs; the server in another process)")
+    head = f"  {'':<44} {'now':>16}"
+    print(head + (f"   {args.before:>16}" if old else ""))
+    for name, key in (
+        ("floor: bare POST + json.loads", "floor"),
+        ("daemon path (probe_backend)", "daemon"),
+        ("CLI check path (run_pass)", "cli"),
+    ):
+        print(f"  {name:<44} {line(name, now, key)}" + (f"   {line(name, old, key)}" if old else ""))
+    source = f"before: {args.before}" if old else "before: the per-probe calls"
+    print(f"  one probe, by phase ({source}; after: now)")
+    before_phases = (old or now)["phases"]
+    total_b = total_a = 0.0
+    for name, figures in now["phases"].items():
+        b, a = before_phases[name][0], figures[-1]
+        total_b, total_a = total_b + b, total_a + a
+        print(f"    {name:<42} {b * ms:7.3f} ms -> {a * ms:7.3f} ms")
+    print(f"    {'sum':<42} {total_b * ms:7.3f} ms -> {total_a * ms:7.3f} ms")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ a named error.
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
@@ -46,6 +47,7 @@ class Settings(HttpSettings):
     kind: Literal["openai"] = "openai"
 
 
+@functools.cache  # reading the installed metadata costs milliseconds; it cannot change while we run
 def _user_agent() -> str:
     try:
         return f"canaryd/{dist_version('canaryd')}"

@@ -106,6 +106,8 @@ _BY_HASH = {
     for t in (StackRow, PayloadRow, RequestRow, OutcomeRow)
 }
 
+_EVENT = EventRow.__table__.insert()  # type: ignore[attr-defined]
+
 
 class Writes(Connected):
     """The store's writes (a mixin of `canaryd.store.Store`, which sets these attributes)."""
@@ -232,14 +234,14 @@ class Writes(Connected):
             _insert_ignore(s, OutcomeRow, hash=outcome_hash, **fields)
             # ours, or a concurrent writer's (committed by now: our insert waited for it)
             outcome_id = s.connection().execute(*by_hash).scalar_one()
-        event = EventRow.__table__.insert().values(  # type: ignore[attr-defined]
-            run_id=run_id,
-            outcome_id=outcome_id,
-            started_at=obs.started_at,
-            latency_s=obs.latency_s,
-            headers=obs.headers,
-        )
-        event_id = s.connection().execute(event).inserted_primary_key[0]
+        event = {
+            "run_id": run_id,
+            "outcome_id": outcome_id,
+            "started_at": obs.started_at,
+            "latency_s": obs.latency_s,
+            "headers": obs.headers,
+        }
+        event_id = s.connection().execute(_EVENT, event).inserted_primary_key[0]
         if verdict == "baseline":
             self._first_baseline(s, obs, event_id, baseline_id)
         return event_id
