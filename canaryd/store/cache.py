@@ -19,8 +19,9 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from sqlalchemy import select
 from sqlalchemy.engine import Connection
-from sqlmodel import Session, col, select
+from sqlmodel import Session
 
 from canaryd.observation import Observation
 from canaryd.store.records import Baseline
@@ -116,12 +117,14 @@ def load(s: Session, backend: str) -> tuple[Loaded, set[str]]:
     from canaryd.store.schema import BaselineRow, CalibrationRow, ObservationRow
     from canaryd.store.writes import request_ref
 
-    ids = select(BaselineRow.observation_id).where(BaselineRow.backend == backend)
-    rows = list(s.exec(select(ObservationRow).where(col(ObservationRow.id).in_(ids))))
+    b, o, c = (t.__table__.c for t in (BaselineRow, ObservationRow, CalibrationRow))  # type: ignore[attr-defined]
+    conn = s.connection()  # Core statements: a new store compiles each once, and the ORM's cost more
+    ids = select(b.observation_id).where(b.backend == backend)
+    rows = conn.execute(select(ObservationRow.__table__).where(o.id.in_(ids))).all()  # type: ignore[arg-type]
     baselines, known = {}, set()
     for row, obs in zip(rows, _observations(s, rows), strict=True):
         baselines[row.canary_id] = Baseline(row.id, obs, row.correct)  # type: ignore[arg-type]
         known.update(h for h in (row.stack_hash, row.payload_hash, request_ref(row.request)) if h)
-    q = select(CalibrationRow.canary_id, CalibrationRow.model).where(CalibrationRow.backend == backend)
-    calibrations = {cid: model for cid, model in s.exec(q)}
+    q = select(c.canary_id, c.model).where(c.backend == backend)
+    calibrations = {cid: model for cid, model in conn.execute(q)}
     return Loaded(baselines, calibrations), known

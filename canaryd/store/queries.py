@@ -12,6 +12,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import fields
 from datetime import datetime
 
+from sqlalchemy import select as select_core
 from sqlalchemy import text
 from sqlmodel import Session, col, select
 
@@ -45,15 +46,15 @@ def _to_observation(s: Session, row: ObservationRow) -> Observation:
     return _build(row, decode_payload(payload.data) if payload else [], stack.fields if stack else {})
 
 
-def _observations(s: Session, rows: Sequence[ObservationRow]) -> list[Observation]:
+def _observations(s: Session, rows: Sequence) -> list[Observation]:
     """`_to_observation` of many rows, with one statement for their payloads and one for their stacks."""
-    payloads, stacks = {}, {}
+    payloads, stacks, conn = {}, {}, s.connection()  # Core statements: the ORM's compiling costs more
     if keys := {r.payload_hash for r in rows if r.payload_hash}:
-        q = select(PayloadRow.hash, PayloadRow.data).where(col(PayloadRow.hash).in_(keys))
-        payloads = {h: data for h, data in s.exec(q)}
+        p = PayloadRow.__table__.c  # type: ignore[attr-defined]
+        payloads = {h: data for h, data in conn.execute(select_core(p.hash, p.data).where(p.hash.in_(keys)))}
     if keys := {r.stack_hash for r in rows if r.stack_hash}:
-        q = select(StackRow.hash, StackRow.fields).where(col(StackRow.hash).in_(keys))
-        stacks = {h: f for h, f in s.exec(q)}
+        t = StackRow.__table__.c  # type: ignore[attr-defined]
+        stacks = {h: f for h, f in conn.execute(select_core(t.hash, t.fields).where(t.hash.in_(keys)))}
     return [
         _build(
             row,
@@ -64,7 +65,8 @@ def _observations(s: Session, rows: Sequence[ObservationRow]) -> list[Observatio
     ]
 
 
-def _build(row: ObservationRow, tokens: list, stack: dict) -> Observation:
+def _build(row, tokens: list, stack: dict) -> Observation:
+    """An `Observation` from a row of the ``observation`` view (ORM or Core)."""
     return Observation(
         backend=row.backend,
         canary_id=row.canary_id,

@@ -107,6 +107,7 @@ _BY_HASH = {
 }
 
 _EVENT = EventRow.__table__.insert()  # type: ignore[attr-defined]
+_RUN = RunRow.__table__.insert()  # type: ignore[attr-defined]
 
 
 class Writes(Connected):
@@ -117,11 +118,9 @@ class Writes(Connected):
 
     # -- runs and observations ------------------------------------------------------------------------
     def start_run(self, backend: str) -> int:
-        with self._session() as s:
-            run = RunRow(backend=backend, instance=self.instance, started_at=utcnow())
-            s.add(run)
-            s.commit()
-            return run.id  # type: ignore[return-value]
+        with self.engine.begin() as conn:
+            values = {"backend": backend, "instance": self.instance, "started_at": utcnow(), "canaries": 0}
+            return conn.execute(_RUN, values).inserted_primary_key[0]
 
     def finish_run(self, run_id: int, canaries: int) -> None:
         with self._session() as s:
