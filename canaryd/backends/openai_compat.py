@@ -16,6 +16,7 @@ import json
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from canaryd import __version__
@@ -49,6 +50,20 @@ def _user_agent() -> str:
     return f"canaryd/{__version__}"
 
 
+PREPARED_MAX = 1024  # canaries whose request a prober keeps built
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A canary's request as sent: body, hash, bytes on the wire, URL, and the parser of its answer."""
+
+    body: dict
+    hash: str
+    content: bytes
+    url: str
+    parse: Callable[[Any], wire.Parsed]
+
+
 class Prober:
     """The serving side is known only by what responses say about themselves."""
 
@@ -61,6 +76,7 @@ class Prober:
         self.name = cfg.name
         self.concurrency = cfg.concurrency
         self._key = cfg.api_key()
+        self._requests: dict[Canary, Prepared] = {}  # a plain dict: a race only builds a body twice
         headers = {"Accept": "application/json", "User-Agent": _user_agent()}
         if self._key:
             headers["Authorization"] = f"Bearer {self._key}"
@@ -92,20 +108,38 @@ class Prober:
         return {}
 
     def request(self, canary: Canary) -> dict:
-        return {**wire.request_body(self.cfg.model, canary), **self.extra_params(canary)}
+        """The body sent for ``canary``: one object per canary, shared by its observations (never changed)."""
+        return self._prepared(canary).body
 
     def request_hash(self, canary: Canary) -> str:
-        return wire.request_hash(self.request(canary))
+        return self._prepared(canary).hash
+
+    def _prepared(self, canary: Canary) -> Prepared:
+        """The canary's request, built once: a canary's body is the same every cycle, and building it
+        (a model dump, two JSON encodings, a hash) cost more than parsing the answer. Canaries are frozen
+        and hashable; a chain's steps (new text each cycle) only fill the map, which is emptied when full."""
+        hit = self._requests.get(canary)
+        if hit is None:
+            body = {**wire.request_body(self.cfg.model, canary), **self.extra_params(canary)}
+            chat = canary.messages is not None
+            hit = Prepared(
+                body,
+                wire.request_hash(body),
+                wire_body(body),
+                f"{self.cfg.base_url}/{'chat/completions' if chat else 'completions'}",
+                wire.parse_chat if chat else wire.parse_completion,
+            )
+            if len(self._requests) >= PREPARED_MAX:
+                self._requests.clear()
+            self._requests[canary] = hit
+        return hit
 
     def attempt(self, canary: Canary) -> Observation:
-        body = self.request(canary)
-        obs = Observation(self.name, canary.id, canary.suite, utcnow(), body, wire.request_hash(body))
-        chat = canary.messages is not None
-        url = f"{self.cfg.base_url}/{'chat/completions' if chat else 'completions'}"
-        parse: Callable = wire.parse_chat if chat else wire.parse_completion
-        t0 = time.perf_counter()
+        req = self._prepared(canary)
+        obs = Observation(self.name, canary.id, canary.suite, utcnow(), req.body, req.hash)
+        parse, t0 = req.parse, time.perf_counter()
         try:
-            reply = self.exchange("POST", url, content=wire_body(body), headers=JSON)
+            reply = self.exchange("POST", req.url, content=req.content, headers=JSON)
             obs.latency_s = time.perf_counter() - t0
             obs.headers = wire.kept_headers(reply.headers.items())
             if not 200 <= reply.status < 300:

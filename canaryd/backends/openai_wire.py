@@ -18,7 +18,14 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from canaryd.canaries import Canary
-from canaryd.observation import TokenLogprob, logprob_problem, storable, text_problem
+from canaryd.observation import (
+    LOGPROB_MAX,
+    LOGPROB_MIN,
+    TokenLogprob,
+    logprob_problem,
+    storable,
+    text_problem,
+)
 
 # Headers that identify the serving side; they join the stack snapshot, so they must be stable per stack.
 IDENTITY_HEADERS = ("server", "openai-version", "openai-model", "x-openrouter-provider")
@@ -198,6 +205,39 @@ def _bytes(value: Any, where: str) -> tuple[int, ...] | None:
     return tuple(raw)
 
 
+def _usable(token: Any, logprob: Any) -> bool:
+    """An ASCII token (no lone surrogate possible) with a float logprob in range (NaN and ±inf fail it)."""
+    return (
+        type(token) is str
+        and token.isascii()
+        and type(logprob) is float
+        and LOGPROB_MIN <= logprob <= LOGPROB_MAX
+    )
+
+
+def _plain_entry(item: Any) -> tuple[str, float, tuple[int, ...] | None, tuple] | None:
+    """A chat logprobs entry of the common kind, checked in a few C calls: (token, logprob, bytes, top).
+
+    None sends the entry through the full checks, which name what is wrong; everything accepted here
+    they accept too, with the same values. Checking each field through `_typed` cost more than the
+    rest of a probe's parse.
+    """
+    if type(item) is not dict or not _usable(item.get("token"), item.get("logprob")):
+        return None
+    raw, alts = item.get("bytes"), item.get("top_logprobs")
+    if raw is not None and not (type(raw) is list and all(type(b) is int and 0 <= b <= 255 for b in raw)):
+        return None
+    top = []
+    if alts is not None:
+        if type(alts) is not list:
+            return None
+        for alt in alts:
+            if type(alt) is not dict or not _usable(t := alt.get("token"), v := alt.get("logprob")):
+                return None
+            top.append((t, v))
+    return item["token"], item["logprob"], None if raw is None else tuple(raw), tuple(top)
+
+
 @_guarded
 def parse_chat(body: Any) -> Parsed:
     """A chat completion body."""
@@ -211,6 +251,10 @@ def parse_chat(body: Any) -> Parsed:
     ids = _token_ids(choice)
     tokens = []
     for i, item in enumerate(content):
+        if (plain := _plain_entry(item)) is not None:
+            token, logprob, raw, top = plain
+            tokens.append(TokenLogprob(token, logprob, _token_id(ids, i), raw, top))
+            continue
         where = f"choices.0.logprobs.content.{i}"
         c = _typed(item, dict, where, optional=False)
         token = _typed(c.get("token"), str, f"{where}.token", optional=False)

@@ -7,8 +7,8 @@ as long as it likes. Here the deadline covers connect, send and every read, what
 * every socket operation of the request gets at most what is left of the deadline as its timeout (a
   `NetworkBackend` wrapping the one `httpx2` uses: its pools hand each connection's I/O to it, pooled
   connections included, on the calling thread);
-* a timer at the deadline shuts down the socket an operation of the request is blocked on, for what a
-  single operation could stretch (a write loop, a TLS handshake through a proxy);
+* at the deadline, one watchdog thread shuts down the socket an operation of the request is blocked on,
+  for what a single operation could stretch (a write loop, a TLS handshake through a proxy);
 * the body is read in chunks as they arrive and never beyond ``max_bytes`` (plus the chunk that crossed
   it); gzip and deflate bodies are inflated under the same cap, 64 KiB at a time (a 50 kB gzip bomb of
   50 MB costs the cap, not 50 MB). An error answer (not 2xx) is read for its message only: its first
@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
+import heapq
+import itertools
 import socket
 import threading
 import time
@@ -78,8 +81,7 @@ class Deadline:
         self._lock = threading.Lock()
         self._blocked: socket.socket | None = None  # the socket an operation is blocked on, if any
         self._expired = False
-        self._timer = threading.Timer(seconds, self._expire)
-        self._timer.daemon = True
+        self.done = False  # the request ended: the watchdog skips it
 
     @property
     def passed(self) -> bool:
@@ -116,16 +118,48 @@ class Deadline:
 
     def __enter__(self) -> Deadline:
         self._token = _CURRENT.set(self)
-        self._timer.start()
+        _WATCHDOG.watch(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._timer.cancel()
+        self.done = True
         with self._lock:
             self._blocked = None
         _CURRENT.reset(self._token)
 
 
+class _Watchdog:
+    """One thread that expires every request's deadline when it passes: a timer thread per request cost
+    more CPU than the request it guarded. Deadlines wait in a heap; one that ended is dropped when its
+    time comes (at most a request's ``timeout_s`` later)."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._heap: list[tuple[float, int, Deadline]] = []
+        self._count = itertools.count()  # ties in time are settled by arrival, never by comparing deadlines
+        self._thread: threading.Thread | None = None
+
+    def watch(self, deadline: Deadline) -> None:
+        with self._cv:
+            heapq.heappush(self._heap, (deadline.at, next(self._count), deadline))
+            if self._thread is None or not self._thread.is_alive():  # first use, or a forked child
+                self._thread = threading.Thread(target=self._run, name="canaryd-deadlines", daemon=True)
+                self._thread.start()
+            elif self._heap[0][2] is deadline:  # sooner than what the thread waits for
+                self._cv.notify()
+
+    def _run(self) -> None:
+        with self._cv:
+            while True:
+                now = time.monotonic()
+                while self._heap and (self._heap[0][2].done or self._heap[0][0] <= now):
+                    _, _, deadline = heapq.heappop(self._heap)
+                    if not deadline.done:
+                        deadline._expire()
+                self._cv.wait(self._heap[0][0] - now if self._heap else None)
+
+
+_WATCHDOG = _Watchdog()
 _CURRENT: contextvars.ContextVar[Deadline | None] = contextvars.ContextVar("canaryd_deadline", default=None)
 
 
@@ -202,6 +236,14 @@ class _Backend(NetworkBackend):
         self._inner.sleep(seconds)
 
 
+@functools.cache
+def tls_context() -> ssl.SSLContext:
+    """The default TLS context (system CAs, or ``SSL_CERT_FILE``/``SSL_CERT_DIR``), built once per process
+    and shared by every client: loading the CA bundle cost about 50 ms of CPU per client, more than a
+    whole ``canaryd check`` of a dozen canaries spends on everything else."""
+    return httpx2.create_ssl_context()
+
+
 def client(
     *, timeout_s: float, connect_timeout_s: float, connections: int, headers: dict[str, str]
 ) -> httpx2.Client:
@@ -209,6 +251,7 @@ def client(
     obey the deadline of `exchange`. httpx2 exposes no network-backend option, so the backend of each pool
     the client built is wrapped in place; if that ever stops working, this fails loudly, not silently."""
     http = httpx2.Client(
+        verify=tls_context(),
         timeout=httpx2.Timeout(timeout_s, connect=min(connect_timeout_s, timeout_s)),
         limits=httpx2.Limits(max_connections=connections),
         headers={"Accept-Encoding": ACCEPT_ENCODING, **headers},

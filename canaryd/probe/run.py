@@ -22,7 +22,7 @@ from canaryd.observation import ErrorKind, Observation, storable, utcnow
 from canaryd.probe import vet
 from canaryd.probe.shapes import Judged, shape_of
 from canaryd.stack import merge_stacks, stack_hash
-from canaryd.store import Store, open_store
+from canaryd.store import Judging, Store, open_store
 
 log = structlog.get_logger("canaryd.probe")
 
@@ -86,13 +86,18 @@ def probe_backend(backend: Backend, canaries: Sequence[Canary], store: Store, co
     ) as ex:
         sent = list(ex.map(progress.counted(one), canaries))
 
+    try:  # baselines and calibrations, re-read only when they changed
+        reads: Judging | Store = store.judging(backend.name)
+    except Exception:  # each canary reads its own, and a failure costs only that canary
+        bound.exception("judging_reads_failed")
+        reads = store
     judged = []
     for canary, observations in zip(canaries, sent, strict=True):
         for obs in observations:
             if obs.ok:
                 obs.stack = {**stack, **obs.stack}
         try:
-            judged.append(shape_of(canary).judge(store, config.compare, canary, observations))
+            judged.append(shape_of(canary).judge(reads, config.compare, canary, observations))
         except Exception as e:  # a judging bug: this canary's observations become errors, the pass goes on
             bound.exception("judge_failed", canary=canary.id)
             judged.append([_failed(obs, f"judging failed: {_describe(e)}") for obs in observations])
@@ -133,13 +138,14 @@ def probe_backend(backend: Backend, canaries: Sequence[Canary], store: Store, co
         except Exception:  # the steps keep the verdicts the cycle's decision gave them
             bound.exception("settle_failed", canary=canary.id)
             final.extend(steps)
+    # one transaction for the pass; an observation the database refuses costs only itself
+    items = [(j.observation, j.comparison, j.baseline_id) for j in final]
+    written = store.record(run_id, items, len(canaries))
     results = []
-    for j in final:
-        try:
-            obs_id = store.add_observation(run_id, j.observation, j.comparison, j.baseline_id)
-        except Exception as e:  # e.g. a value the database refuses: record that, not the value
-            bound.exception("store_failed", canary=j.observation.canary_id)
-            j = _failed(_stripped(j.observation), f"storing failed: {_describe(e)}")
+    for j, obs_id in zip(final, written, strict=True):
+        if isinstance(obs_id, Exception):  # e.g. a value the database refuses: record that, not the value
+            bound.error("store_failed", canary=j.observation.canary_id, exc_info=obs_id)
+            j = _failed(_stripped(j.observation), f"storing failed: {_describe(obs_id)}")
             obs_id = store.add_observation(run_id, j.observation, j.comparison, None)
         obs, comparison = j.observation, j.comparison
         bound.info(
@@ -151,7 +157,6 @@ def probe_backend(backend: Backend, canaries: Sequence[Canary], store: Store, co
             error_kind=obs.error_kind.value if obs.error_kind else None,
         )
         results.append(Result(obs_id, run_id, obs, comparison))
-    store.finish_run(run_id, len(canaries))
     # The run's stack: the snapshot plus every response-level value seen (a fleet may show several).
     # A run where no probe answered has none: a server going down mid-pass answers the snapshot but not
     # the canaries, and that half-stack (no response.* fields) would count as a change, its return as another.

@@ -28,7 +28,7 @@ from canaryd.probe.chain import mark_divergence, run_chain
 if TYPE_CHECKING:
     from canaryd.backends import Backend
     from canaryd.config import CompareConfig
-    from canaryd.store import Store
+    from canaryd.store import Judging
 
 
 Probes = dict[str, list[Observation]]  # observed id → its K calibration probes
@@ -54,7 +54,7 @@ def _timed_out(obs: Observation, e: CheckTimeout) -> None:
     obs.error_kind, obs.error = ErrorKind.CHECK_TIMEOUT, f"canary {obs.canary_id!r}: {e}"
 
 
-def _compare(store: Store, settings: CompareConfig, obs: Observation, expect: Expect | None) -> Judged:
+def _compare(store: Judging, settings: CompareConfig, obs: Observation, expect: Expect | None) -> Judged:
     try:
         correct = _correct(expect, obs)
     except CheckTimeout as e:
@@ -91,7 +91,7 @@ class Plain:
         return [vet.probe(backend, canary)]
 
     def judge(
-        self, store: Store, settings: CompareConfig, canary: Canary, observations: list[Observation]
+        self, store: Judging, settings: CompareConfig, canary: Canary, observations: list[Observation]
     ) -> list[Judged]:
         """Each observation against its baseline, before the backend's cycle is decided."""
         return [_compare(store, settings, obs, canary.expect) for obs in observations]
@@ -123,7 +123,7 @@ class Chained(Plain):
         return run_chain(backend, canary)
 
     def judge(
-        self, store: Store, settings: CompareConfig, canary: Canary, observations: list[Observation]
+        self, store: Judging, settings: CompareConfig, canary: Canary, observations: list[Observation]
     ) -> list[Judged]:
         final = len(observations) - 1
         return [
@@ -159,7 +159,7 @@ class Sampled(Plain):
         ]
 
     def judge(
-        self, store: Store, settings: CompareConfig, canary: Canary, observations: list[Observation]
+        self, store: Judging, settings: CompareConfig, canary: Canary, observations: list[Observation]
     ) -> list[Judged]:
         """Every sample with the set's comparison (its own correctness; a failed sample is an ``error``).
 

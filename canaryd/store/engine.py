@@ -20,6 +20,7 @@ from sqlmodel import Session, create_engine
 
 from canaryd.errors import InputError
 from canaryd.files import DIR_MODE, FILE_MODE
+from canaryd.store.cache import Cache
 
 MIGRATIONS = Path(__file__).with_name("migrations")
 SCHEMA_REVISION = "0004"  # the head revision (tests/unit/test_migrations.py checks it against the scripts)
@@ -100,6 +101,7 @@ class Connected:
     """
 
     engine: Engine
+    _cache: Cache  # what passes read, held between them (`canaryd.store.cache`)
 
     @contextmanager
     def _session(self) -> Iterator[Session]:

@@ -12,10 +12,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import fields
 from datetime import datetime
 
+from sqlalchemy import select as select_core
 from sqlalchemy import text
 from sqlmodel import Session, col, select
 
 from canaryd.observation import ErrorKind, Observation
+from canaryd.store.cache import Judging, generation, load
 from canaryd.store.engine import Connected
 from canaryd.store.records import Baseline, RunInfo, RunStacks, StackSeen, StoredObservation
 from canaryd.store.schema import (
@@ -41,6 +43,30 @@ def _to_observation(s: Session, row: ObservationRow) -> Observation:
     """The observation as it was probed: the row's columns, its tokens and its stack fields."""
     payload = s.get(PayloadRow, row.payload_hash) if row.payload_hash else None
     stack = s.get(StackRow, row.stack_hash) if row.stack_hash else None
+    return _build(row, decode_payload(payload.data) if payload else [], stack.fields if stack else {})
+
+
+def _observations(s: Session, rows: Sequence) -> list[Observation]:
+    """`_to_observation` of many rows, with one statement for their payloads and one for their stacks."""
+    payloads, stacks, conn = {}, {}, s.connection()  # Core statements: the ORM's compiling costs more
+    if keys := {r.payload_hash for r in rows if r.payload_hash}:
+        p = PayloadRow.__table__.c  # type: ignore[attr-defined]
+        payloads = {h: data for h, data in conn.execute(select_core(p.hash, p.data).where(p.hash.in_(keys)))}
+    if keys := {r.stack_hash for r in rows if r.stack_hash}:
+        t = StackRow.__table__.c  # type: ignore[attr-defined]
+        stacks = {h: f for h, f in conn.execute(select_core(t.hash, t.fields).where(t.hash.in_(keys)))}
+    return [
+        _build(
+            row,
+            decode_payload(payloads[row.payload_hash]) if row.payload_hash in payloads else [],
+            stacks.get(row.stack_hash, {}),  # type: ignore[arg-type]
+        )
+        for row in rows
+    ]
+
+
+def _build(row, tokens: list, stack: dict) -> Observation:
+    """An `Observation` from a row of the ``observation`` view (ORM or Core)."""
     return Observation(
         backend=row.backend,
         canary_id=row.canary_id,
@@ -51,7 +77,7 @@ def _to_observation(s: Session, row: ObservationRow) -> Observation:
         latency_s=row.latency_s,
         text=row.text,
         finish_reason=row.finish_reason,
-        tokens=decode_payload(payload.data) if payload else [],
+        tokens=tokens,
         prompt_tokens=row.prompt_tokens,
         completion_tokens=row.completion_tokens,
         system_fingerprint=row.system_fingerprint,
@@ -59,7 +85,7 @@ def _to_observation(s: Session, row: ObservationRow) -> Observation:
         headers=row.headers,
         error=row.error,
         error_kind=ErrorKind(row.error_kind) if row.error_kind else None,
-        stack=stack.fields if stack else {},
+        stack=stack,
     )
 
 
@@ -76,6 +102,18 @@ class Queries(Connected):
             row = s.get(ObservationRow, b.observation_id)
             return Baseline(row.id, _to_observation(s, row), row.correct) if row else None  # type: ignore[arg-type]
 
+    def judging(self, backend: str) -> Judging:
+        """What a probe pass of ``backend`` judges against (`canaryd.store.cache`): its baselines and
+        calibrations, from memory when the generation statement finds them unchanged."""
+        with self._session() as s:
+            seen = generation(s.connection())
+            loaded = self._cache.current(backend, seen)
+            if loaded is None:
+                loaded, known = load(s, backend)
+                self._cache.learn(known)
+                self._cache.keep(backend, seen, loaded)
+        return Judging(self, loaded)
+
     def run_set(self, observation_id: int) -> list[Observation]:
         """Every observation of the same canary in the same run as this one, in id order (= sending order).
 
@@ -88,7 +126,7 @@ class Queries(Connected):
             q = select(ObservationRow).where(
                 ObservationRow.run_id == row.run_id, ObservationRow.canary_id == row.canary_id
             )
-            return [_to_observation(s, r) for r in s.exec(q.order_by(text("id")))]
+            return _observations(s, list(s.exec(q.order_by(text("id")))))
 
     def calibration(self, backend: str, canary_id: str) -> dict | None:
         """The stored noise model of a canary × backend (``NoiseModel.as_dict()``), None if uncalibrated."""

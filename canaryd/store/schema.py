@@ -204,6 +204,17 @@ class LeaseRow(SQLModel, table=True):
 def encode_payload(tokens: list[TokenLogprob]) -> tuple[str, bytes]:
     """(content hash, compressed bytes) of an answer's tokens: the hash of the canonical JSON, so an
     unchanged answer maps to the row it already has."""
+    key, canonical = payload_key(tokens)
+    return key, compress_payload(canonical)
+
+
+def compress_payload(canonical: bytes) -> bytes:
+    return zlib.compress(canonical, 6)
+
+
+def payload_key(tokens: list[TokenLogprob]) -> tuple[str, bytes]:
+    """(content hash, canonical JSON) of an answer's tokens: the key alone tells whether the row exists,
+    so a repeated answer is never compressed again."""
     doc = [
         [
             t.token,
@@ -215,7 +226,7 @@ def encode_payload(tokens: list[TokenLogprob]) -> tuple[str, bytes]:
         for t in tokens
     ]
     canonical = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
-    return hashlib.sha256(canonical).hexdigest(), zlib.compress(canonical, 6)
+    return hashlib.sha256(canonical).hexdigest(), canonical
 
 
 def decode_payload(data: bytes) -> list[TokenLogprob]:

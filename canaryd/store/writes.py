@@ -17,7 +17,8 @@ from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import TypeVar
 
-from sqlalchemy import bindparam, delete, or_
+import structlog
+from sqlalchemy import bindparam, delete, or_, update
 from sqlalchemy.orm import aliased
 from sqlmodel import Session, SQLModel, col, select
 
@@ -38,14 +39,39 @@ from canaryd.store.schema import (
     RequestRow,
     RunRow,
     StackRow,
-    encode_payload,
+    compress_payload,
+    payload_key,
 )
 
 T = TypeVar("T")
 
 
+Written = tuple[Observation, ComparisonLike, "int | None"]  # what `Writes.record` takes per observation
+log = structlog.get_logger("canaryd.store")
+
+
 def _digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+_REFS: dict[int, tuple[dict, str]] = {}  # id(request body) → (that body, its hash)
+_REFS_LOCK = threading.Lock()
+_REFS_MAX = 4096
+
+
+def request_ref(body: dict) -> str:
+    """The content hash of a request body. Probers hand out one body per canary (`openai_compat`), so the
+    hash is kept by the body's identity: a body never changes once sent (the entry holds it, so its id is
+    not reused); the map is emptied when full."""
+    hit = _REFS.get(id(body))
+    if hit is not None and hit[0] is body:
+        return hit[1]
+    ref = _digest(_canonical(body))
+    with _REFS_LOCK:
+        if len(_REFS) >= _REFS_MAX:
+            _REFS.clear()
+        _REFS[id(body)] = (body, ref)
+    return ref
 
 
 def _canonical(doc: object) -> bytes:
@@ -80,6 +106,9 @@ _BY_HASH = {
     for t in (StackRow, PayloadRow, RequestRow, OutcomeRow)
 }
 
+_EVENT = EventRow.__table__.insert()  # type: ignore[attr-defined]
+_RUN = RunRow.__table__.insert()  # type: ignore[attr-defined]
+
 
 class Writes(Connected):
     """The store's writes (a mixin of `canaryd.store.Store`, which sets these attributes)."""
@@ -89,86 +118,132 @@ class Writes(Connected):
 
     # -- runs and observations ------------------------------------------------------------------------
     def start_run(self, backend: str) -> int:
-        with self._session() as s:
-            run = RunRow(backend=backend, instance=self.instance, started_at=utcnow())
-            s.add(run)
-            s.commit()
-            return run.id  # type: ignore[return-value]
+        with self.engine.begin() as conn:
+            values = {"backend": backend, "instance": self.instance, "started_at": utcnow(), "canaries": 0}
+            return conn.execute(_RUN, values).inserted_primary_key[0]
 
     def finish_run(self, run_id: int, canaries: int) -> None:
         with self._session() as s:
-            run = s.get(RunRow, run_id)
-            if run is not None:
-                run.finished_at, run.canaries = utcnow(), canaries
-                s.add(run)
-                s.commit()
+            self._finish(s, run_id, canaries)
+            s.commit()
+
+    @staticmethod
+    def _finish(s: Session, run_id: int, canaries: int) -> None:
+        s.connection().execute(
+            update(RunRow.__table__)  # type: ignore[arg-type]
+            .where(RunRow.__table__.c.id == run_id)  # type: ignore[attr-defined]
+            .values(finished_at=utcnow(), canaries=canaries)
+        )
 
     def add_observation(
         self, run_id: int, obs: Observation, comparison: ComparisonLike, baseline_id: int | None
     ) -> int:
-        """Write the observation in one transaction; what it shares with earlier ones is stored once.
+        """Write one observation in a transaction of its own (`record` writes a pass's in one)."""
+        learned: set[str] = set()
+        with self._session() as s:
+            event_id = self._write(s, run_id, (obs, comparison, baseline_id), set(), learned)
+            s.commit()
+        self._cache.learn(learned)
+        return event_id
+
+    def record(self, run_id: int, items: Sequence[Written], canaries: int) -> list[int | Exception]:
+        """A pass's observations (each: observation, comparison, baseline id) and the end of its run, in one
+        transaction; the event id of each, in order.
+
+        If that transaction fails (a value the database refuses, a known key another process pruned),
+        nothing of it stays: the known keys are forgotten and each observation is written in a transaction
+        of its own, so a failure costs only its own observation (its exception takes its place in the list,
+        for the caller to record something else).
+        """
+        learned: set[str] = set()
+        try:
+            with self._session() as s:
+                ids: list[int | Exception] = [
+                    self._write(s, run_id, item, self._cache.known, learned) for item in items
+                ]
+                self._finish(s, run_id, canaries)
+                s.commit()
+        except Exception as e:
+            log.warning("pass_write_retried", run_id=run_id, error=f"{e.__class__.__name__}: {str(e)[:200]}")
+            self._cache.forget()
+            ids = []
+            for item in items:
+                try:
+                    ids.append(self.add_observation(run_id, *item))
+                except Exception as failed:
+                    ids.append(failed)
+            self.finish_run(run_id, canaries)
+            return ids
+        self._cache.learn(learned)
+        return ids
+
+    def _write(self, s: Session, run_id: int, item: Written, known: set[str], learned: set[str]) -> int:
+        """One observation into ``s``; what it shares with earlier ones is stored once.
 
         The stack, payload, request and outcome are content-addressed, so an identical repeat adds one
-        ``event`` row (time, latency, headers) and nothing else. Each is looked up first (the common case:
-        it exists, and nothing is sent or locked) and otherwise inserted with ON CONFLICT DO NOTHING, so a
-        concurrent writer of the same content is no error.
+        ``event`` row (time, latency, headers) and nothing else. A key in ``known`` exists; any other is
+        looked up (the common case: it exists, and nothing is sent or locked) and otherwise inserted with ON
+        CONFLICT DO NOTHING, so a concurrent writer of the same content is no error. Keys now known to exist
+        go to ``learned``.
         """
+        obs, comparison, baseline_id = item
         verdict = str(comparison.verdict.value)
-        with self._session() as s:
-            stack_hash = None
-            if obs.stack:
-                stack_hash = hash_of(obs.stack)
-                if not self._exists(s, StackRow, stack_hash):
-                    _insert_ignore(s, StackRow, hash=stack_hash, fields=obs.stack, first_seen=obs.started_at)
-            payload_hash = None
-            if obs.tokens:
-                payload_hash, data = encode_payload(obs.tokens)
-                if not self._exists(s, PayloadRow, payload_hash):
-                    _insert_ignore(s, PayloadRow, hash=payload_hash, format=PAYLOAD_FORMAT, data=data)
-            request_ref = _digest(_canonical(obs.request))
-            if not self._exists(s, RequestRow, request_ref):
-                _insert_ignore(s, RequestRow, hash=request_ref, body=obs.request)
-            fields = {
-                "backend": obs.backend,
-                "canary_id": obs.canary_id,
-                "suite": obs.suite,
-                "request_ref": request_ref,
-                "request_hash": obs.request_hash,
-                "text": obs.text,
-                "finish_reason": obs.finish_reason,
-                "prompt_tokens": obs.prompt_tokens,
-                "completion_tokens": obs.completion_tokens,
-                "system_fingerprint": obs.system_fingerprint,
-                "response_model": obs.response_model,
-                "stack_hash": stack_hash,
-                "payload_hash": payload_hash,
-                "error": obs.error,
-                "error_kind": obs.error_kind.value if obs.error_kind else None,
-                "correct": comparison.correct,
-                "verdict": verdict,
-                "comparison": comparison.as_dict(),
-                "baseline_id": baseline_id,
-            }
-            outcome_hash = _digest(_canonical(fields))
-            by_hash = _BY_HASH["outcome"], {"key": outcome_hash}
-            outcome_id = s.connection().execute(*by_hash).scalar()
-            if outcome_id is None:
-                _insert_ignore(s, OutcomeRow, hash=outcome_hash, **fields)
-                # ours, or a concurrent writer's (committed by now: our insert waited for it)
-                outcome_id = s.connection().execute(*by_hash).scalar_one()
-            row = EventRow(
-                run_id=run_id,
-                outcome_id=outcome_id,
-                started_at=obs.started_at,
-                latency_s=obs.latency_s,
-                headers=obs.headers,
-            )
-            s.add(row)
-            s.flush()
-            if verdict == "baseline":
-                self._first_baseline(s, obs, row.id, baseline_id)  # type: ignore[arg-type]
-            s.commit()
-            return row.id  # type: ignore[return-value]
+        stack_hash = None
+        if obs.stack:
+            stack_hash = hash_of(obs.stack)
+            if stack_hash not in known and not self._exists(s, StackRow, stack_hash):
+                _insert_ignore(s, StackRow, hash=stack_hash, fields=obs.stack, first_seen=obs.started_at)
+            learned.add(stack_hash)
+        payload_hash = None
+        if obs.tokens:
+            payload_hash, canonical = payload_key(obs.tokens)
+            if payload_hash not in known and not self._exists(s, PayloadRow, payload_hash):
+                data = compress_payload(canonical)
+                _insert_ignore(s, PayloadRow, hash=payload_hash, format=PAYLOAD_FORMAT, data=data)
+            learned.add(payload_hash)
+        ref = request_ref(obs.request)
+        if ref not in known and not self._exists(s, RequestRow, ref):
+            _insert_ignore(s, RequestRow, hash=ref, body=obs.request)
+        learned.add(ref)
+        fields = {
+            "backend": obs.backend,
+            "canary_id": obs.canary_id,
+            "suite": obs.suite,
+            "request_ref": ref,
+            "request_hash": obs.request_hash,
+            "text": obs.text,
+            "finish_reason": obs.finish_reason,
+            "prompt_tokens": obs.prompt_tokens,
+            "completion_tokens": obs.completion_tokens,
+            "system_fingerprint": obs.system_fingerprint,
+            "response_model": obs.response_model,
+            "stack_hash": stack_hash,
+            "payload_hash": payload_hash,
+            "error": obs.error,
+            "error_kind": obs.error_kind.value if obs.error_kind else None,
+            "correct": comparison.correct,
+            "verdict": verdict,
+            "comparison": comparison.as_dict(),
+            "baseline_id": baseline_id,
+        }
+        outcome_hash = _digest(_canonical(fields))
+        by_hash = _BY_HASH["outcome"], {"key": outcome_hash}
+        outcome_id = s.connection().execute(*by_hash).scalar()
+        if outcome_id is None:
+            _insert_ignore(s, OutcomeRow, hash=outcome_hash, **fields)
+            # ours, or a concurrent writer's (committed by now: our insert waited for it)
+            outcome_id = s.connection().execute(*by_hash).scalar_one()
+        event = {
+            "run_id": run_id,
+            "outcome_id": outcome_id,
+            "started_at": obs.started_at,
+            "latency_s": obs.latency_s,
+            "headers": obs.headers,
+        }
+        event_id = s.connection().execute(_EVENT, event).inserted_primary_key[0]
+        if verdict == "baseline":
+            self._first_baseline(s, obs, event_id, baseline_id)
+        return event_id
 
     @staticmethod
     def _exists(s: Session, table: type[SQLModel], key: str) -> bool:
@@ -372,6 +447,8 @@ class Writes(Connected):
                 s.rollback()
             else:
                 s.commit()
+        if not dry_run:
+            self._cache.forget()  # known keys may be gone
         if not dry_run and self.engine.dialect.name == "sqlite":
             with self.engine.connect() as conn:  # fold the WAL into the database file and truncate it
                 conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")

@@ -29,7 +29,7 @@ from canaryd.judge.stats import CalibrationError, NoiseModel, Point, fit
 from canaryd.observation import ErrorKind, Observation, TokenLogprob, utcnow
 from canaryd.probe import vet
 from canaryd.probe.run import BackendRun, Result
-from tests.unit.scripted_lab import ScriptedLab, by_id, scripted, verdicts
+from tests.unit.scripted_lab import ScriptedLab, by_id, change, scripted, verdicts
 
 IDS = ["add", "capital", "colors"]
 NAN, INF = float("nan"), float("inf")
@@ -598,21 +598,14 @@ def test_a_sending_bug_is_that_canarys_internal_error(lab, monkeypatch):
     assert run["capital"].comparison.verdict is Verdict.BASELINE
 
 
-def test_a_storing_failure_stores_that_canary_as_an_internal_error(lab, monkeypatch):
-    real = lab.store.add_observation
-    refused = []
-
-    def add(run_id, obs, comparison, baseline_id):
-        if obs.canary_id == "capital" and not refused:
-            refused.append(obs.text)
-            raise ValueError("a value the database refuses")
-        return real(run_id, obs, comparison, baseline_id)
-
-    monkeypatch.setattr(lab.store, "add_observation", add)
+def test_a_storing_failure_stores_that_canary_as_an_internal_error(lab):
+    # a usage count past 64 bits: SQLite refuses it, and with it the pass's one transaction
+    lab.write(scripted("fake", body=change(at=1, canaries=["capital"], prompt_tokens_delta=2**63 - 1)))
     run = by_id(lab.cycle("fake"))
     capital = run["capital"].observation
-    assert refused == ["Paris"] and capital.error_kind is ErrorKind.INTERNAL and capital.text is None
-    assert capital.error == "storing failed: ValueError: a value the database refuses"
+    assert capital.error_kind is ErrorKind.INTERNAL and capital.text is None
+    assert capital.error.startswith("storing failed: OverflowError")
+    assert {run[c].comparison.verdict for c in ("add", "colors")} == {Verdict.BASELINE}
     assert lab.store.observation(run["capital"].observation_id).error == capital.error
     assert lab.store.baseline("fake", "capital") is None  # an error never becomes the baseline
     assert lab.store.baseline("fake", "add").observation_id == run["add"].observation_id

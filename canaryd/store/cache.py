@@ -1,0 +1,130 @@
+"""What a probe pass reads of the store, held in memory between passes and re-read only when it changed.
+
+Every probe is judged against its canary's baseline and calibration, which almost never change; reading
+them row by row (five look-ups and a payload decode per probe) cost more than the probe. So a pass starts
+with one *generation* query: aggregates of the ``baseline`` and ``calibration`` tables (row count, the sum
+of their observation ids and timestamps) that any insert, replacement or delete moves, whichever process
+made it (``baseline accept``, ``baseline calibrate``, another daemon of a fleet). Unchanged: the backend's
+baselines and calibrations are those in memory, and the pass reads no row of them. Changed (or never
+read): the backend's are loaded whole, in four statements.
+
+Content-addressed rows (stack, payload, request) are immutable, so the keys known to exist are kept too,
+and the writes skip their look-ups. A prune (by any process) may delete one: the write that refers to it
+then fails its foreign key, and `Writes.record` forgets the known keys and writes again with look-ups.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from sqlalchemy import select
+from sqlalchemy.engine import Connection
+from sqlmodel import Session
+
+from canaryd.observation import Observation
+from canaryd.store.records import Baseline
+
+Generation = tuple
+
+# One statement, read before anything it guards: a change committed after it is seen by the next pass.
+_GENERATION = """
+SELECT (SELECT count(*) FROM baseline), (SELECT sum(observation_id) FROM baseline),
+       (SELECT sum({t}) FROM baseline), (SELECT count(*) FROM calibration),
+       (SELECT sum({c}) FROM calibration)
+"""
+_SECONDS = {  # a timestamp as a number, so that its sum moves when any row's does
+    "sqlite": ("julianday(accepted_at)", "julianday(created_at)"),
+    "postgresql": ("extract(epoch from accepted_at)", "extract(epoch from created_at)"),
+}
+
+
+def generation(conn: Connection) -> Generation:
+    """The generation of what `Loaded` holds: equal generations, equal baselines and calibrations."""
+    t, c = _SECONDS.get(conn.dialect.name, ("0", "0"))
+    return tuple(conn.exec_driver_sql(_GENERATION.format(t=t, c=c)).one())
+
+
+@dataclass
+class Loaded:
+    """One backend's baselines (observation, id, correctness) and calibrations, as of one generation."""
+
+    baselines: dict[str, Baseline]
+    calibrations: dict[str, dict]
+    run_sets: dict[int, list[Observation]] = field(default_factory=dict)  # baseline sets, read on demand
+
+
+class Cache:
+    """The store's memory: each backend's `Loaded`, and the content keys known to exist. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._generation: Generation | None = None
+        self._loaded: dict[str, Loaded] = {}
+        self.known: set[str] = set()  # stack, payload and request hashes that exist (one key space: sha256)
+
+    def current(self, backend: str, seen: Generation) -> Loaded | None:
+        """The backend's `Loaded` if it is as of ``seen``; a new generation forgets every backend's."""
+        with self._lock:
+            if seen != self._generation:
+                self._generation = seen
+                self._loaded.clear()
+            return self._loaded.get(backend)
+
+    def keep(self, backend: str, seen: Generation, loaded: Loaded) -> None:
+        """Hold ``loaded`` (read after ``seen`` was), unless a newer generation was seen meanwhile."""
+        with self._lock:
+            if seen == self._generation:
+                self._loaded[backend] = loaded
+
+    def learn(self, keys: Iterable[str]) -> None:
+        with self._lock:
+            self.known.update(keys)
+
+    def forget(self) -> None:
+        """Drop everything (a prune deleted rows, or a write found a known key gone)."""
+        with self._lock:
+            self._generation = None
+            self._loaded.clear()
+            self.known = set()
+
+
+class Judging:
+    """What a pass judges one backend's observations against: the store's reads the shapes make
+    (``baseline``, ``calibration``, ``run_set``), answered from memory."""
+
+    def __init__(self, store, loaded: Loaded) -> None:
+        self._store = store
+        self._loaded = loaded
+
+    def baseline(self, backend: str, canary_id: str) -> Baseline | None:
+        return self._loaded.baselines.get(canary_id)
+
+    def calibration(self, backend: str, canary_id: str) -> dict | None:
+        return self._loaded.calibrations.get(canary_id)
+
+    def run_set(self, observation_id: int) -> list[Observation]:
+        sets = self._loaded.run_sets
+        if observation_id not in sets:
+            sets[observation_id] = self._store.run_set(observation_id)
+        return sets[observation_id]
+
+
+def load(s: Session, backend: str) -> tuple[Loaded, set[str]]:
+    """Every baseline and calibration of a backend (four statements), and the content keys they show."""
+    from canaryd.store.queries import _observations
+    from canaryd.store.schema import BaselineRow, CalibrationRow, ObservationRow
+    from canaryd.store.writes import request_ref
+
+    b, o, c = (t.__table__.c for t in (BaselineRow, ObservationRow, CalibrationRow))  # type: ignore[attr-defined]
+    conn = s.connection()  # Core statements: a new store compiles each once, and the ORM's cost more
+    ids = select(b.observation_id).where(b.backend == backend)
+    rows = conn.execute(select(ObservationRow.__table__).where(o.id.in_(ids))).all()  # type: ignore[arg-type]
+    baselines, known = {}, set()
+    for row, obs in zip(rows, _observations(s, rows), strict=True):
+        baselines[row.canary_id] = Baseline(row.id, obs, row.correct)  # type: ignore[arg-type]
+        known.update(h for h in (row.stack_hash, row.payload_hash, request_ref(row.request)) if h)
+    q = select(c.canary_id, c.model).where(c.backend == backend)
+    calibrations = {cid: model for cid, model in conn.execute(q)}
+    return Loaded(baselines, calibrations), known
