@@ -26,3 +26,13 @@ def pytest_runtest_makereport(item, call):
         report.outcome = "failed"
         report.longrepr = f"{item.nodeid} skipped, and nothing here may skip: {reason}"
     return report
+
+
+@pytest.fixture(autouse=True)
+def _fresh_logging():
+    """Each test starts from structlog's defaults: a level set by an earlier test's `canaryd.log.configure`
+    would otherwise filter the log lines a later test captures."""
+    import structlog
+
+    structlog.reset_defaults()
+    yield

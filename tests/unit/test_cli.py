@@ -212,6 +212,7 @@ def test_a_reader_names_the_state_dir_it_found_no_database_in(tmp_path):
 
 def test_a_reader_never_migrates_an_older_schema(tmp_path):
     from canaryd.store.engine import revision
+    from canaryd.store.engine import SCHEMA_REVISION
     from tests.unit.test_migrations import upgrade_to
 
     url = f"sqlite:///{tmp_path / 'canaryd.db'}"
@@ -227,7 +228,7 @@ def test_a_reader_never_migrates_an_older_schema(tmp_path):
     assert json.loads(current.stdout) == {
         "exit_code": 0,
         "revision": "0002",
-        "head": "0003",
+        "head": SCHEMA_REVISION,
         "state": "behind",
     }
     assert revision(url) == "0002"
