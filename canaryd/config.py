@@ -88,20 +88,26 @@ class ScheduleConfig(Strict):
 
     @property
     def interval_s(self) -> float:
-        """The nominal gap between passes (for cron: the smallest gap in the next few firings)."""
-        if self.every_s is not None:
-            return self.every_s
+        """The nominal gap between passes (for cron: the smallest gap in the next few weeks' firings)."""
+        return self.every_s if self.every_s is not None else min(self._cron_gaps())
+
+    @property
+    def longest_gap_s(self) -> float:
+        """The longest gap between passes (for cron, e.g. a night or a weekend): what a lease must outlast."""
+        return self.every_s if self.every_s is not None else max(self._cron_gaps())
+
+    def _cron_gaps(self, firings: int = 30) -> list[float]:
         from datetime import UTC, datetime
 
         from apscheduler.triggers.cron import CronTrigger
 
         trigger, t, gaps = CronTrigger.from_crontab(self.cron, timezone=UTC), datetime.now(UTC), []
         prev = trigger.get_next_fire_time(None, t)
-        for _ in range(5):
+        for _ in range(firings):
             nxt = trigger.get_next_fire_time(prev, prev)
             gaps.append((nxt - prev).total_seconds())
             prev = nxt
-        return min(gaps)
+        return gaps
 
 
 class DaemonConfig(Strict):

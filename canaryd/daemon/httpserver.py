@@ -86,9 +86,14 @@ def runbook_markdown() -> bytes:
     """The runbook shipped with this version: package data ``canaryd/_shipped/docs/runbook.md`` (a symlink
     to ``docs/runbook.md`` in a checkout, the file itself in a wheel), else the checkout's ``docs/``."""
     shipped = files("canaryd") / "_shipped" / "docs" / "runbook.md"
-    if shipped.is_file():
-        return shipped.read_bytes()
-    return (Path(__file__).resolve().parents[2] / "docs" / "runbook.md").read_bytes()
+    checkout = Path(__file__).resolve().parents[2] / "docs" / "runbook.md"
+    for source in (shipped, checkout):
+        try:
+            return source.read_bytes()
+        except OSError:
+            continue
+    # an install that lost it must still serve metrics (and not blame the listen address)
+    return b"# canaryd runbook\n\nThis installation has no runbook: see `canaryd ops export`.\n"
 
 
 def anchor(heading: str) -> str:

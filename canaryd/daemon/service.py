@@ -96,7 +96,7 @@ class Generation:
         interval_s = {sched.name: sched.interval_s for sched in config.schedules}
         for sched in config.schedules:
             for b in work[sched.name]:
-                s = lease_seconds(interval_s[sched.name], sched.jitter)
+                s = lease_seconds(sched.longest_gap_s, sched.jitter)
                 if s < lease_s.get(b, float("inf")):
                     lease_s[b], lead[b] = s, sched.name
         backends = {b.name: make_backend(b, stopping) for b in config.backends}
@@ -223,6 +223,8 @@ class Daemon:
         self.gen = Generation.build(config, self.stop_event)
         self.tenure = Tenure(self.store, self.metrics)
         self._taken: dict[str, float] = {}  # backend -> when (monotonic) a takeover pass probed it
+        self._busy: set[str] = set()  # backends a pass of this daemon is probing now
+        self._choosing = threading.Lock()
         self._in_flight = 0  # passes running, of any generation (what a stop waits for)
         self._idle = threading.Condition()
         self.scheduler = BackgroundScheduler(
@@ -237,6 +239,7 @@ class Daemon:
         gen = self.gen
         gen.acquire()
         structlog.contextvars.bind_contextvars(schedule=schedule)  # job threads don't inherit context
+        mine: set[str] = set()
         try:
             work = gen.work.get(schedule, {})
             if takeover is None:
@@ -246,13 +249,8 @@ class Daemon:
             else:
                 work = {b: cs for b, cs in work.items() if b == takeover}
             held = self._claim(gen, list(work)) if work else set()
-            now = time.monotonic()
-            if takeover is None:  # a backend just taken over keeps that pass's phase from now on
-                recent = now - gen.interval_s[schedule] / 2
-                held = {b for b in held if self._taken.get(b, -math.inf) < recent}
-            else:
-                self._taken.update(dict.fromkeys(held, now))
-            work = {b: canaries for b, canaries in work.items() if b in held}
+            mine = self._choose(gen, schedule, held, takeover)
+            work = {b: canaries for b, canaries in work.items() if b in mine}
             with ThreadPoolExecutor(max_workers=max(1, len(work)), thread_name_prefix="backend") as ex:
                 futures = {
                     b: ex.submit(self._probe, gen, schedule, b, canaries) for b, canaries in work.items()
@@ -275,8 +273,28 @@ class Daemon:
         except Exception:
             log.exception("pass_failed")
         finally:
+            with self._choosing:
+                self._busy -= mine
             structlog.contextvars.unbind_contextvars("schedule")
             gen.release()
+
+    def _choose(self, gen: Generation, schedule: str, held: set[str], takeover: str | None) -> set[str]:
+        """Of the backends held, those this pass probes, decided under one lock: never one another pass
+        of this daemon is probing (a takeover pass and a regular one can start together), and not the
+        lead schedule's regular pass of a backend a takeover probed less than half an interval ago (two
+        probes in a row say nothing more; the next regular pass probes it)."""
+        now = time.monotonic()
+        with self._choosing:
+            chosen = held - self._busy
+            if takeover is None:
+                recent = now - gen.interval_s.get(schedule, 0.0) / 2
+                chosen = {
+                    b for b in chosen if gen.lead.get(b) != schedule or self._taken.get(b, -math.inf) < recent
+                }
+            else:
+                self._taken.update(dict.fromkeys(chosen, now))
+            self._busy |= chosen
+        return chosen
 
     def _probe(self, gen: Generation, schedule: str, backend: str, canaries: list[Canary]) -> BackendRun:
         """One backend's share of a pass, logged at its start and end with what it found."""
@@ -442,12 +460,13 @@ class Daemon:
             done = self._idle.wait_for(lambda: self._in_flight == 0, timeout=bound)
         if done:
             self.gen.retire()
-        try:  # the fleet's other daemons take these backends over at their next pass, not at expiry
-            released = self.store.release_leases()
-            if released:
-                log.info("lease.released", leases=released)
-        except Exception:
-            log.exception("lease.release_failed")
+            try:  # the fleet's other daemons take these backends over at their next pass, not at expiry
+                released = self.store.release_leases()
+                if released:
+                    log.info("lease.released", leases=released)
+            except Exception:
+                log.exception("lease.release_failed")
+        # else the passes still probing keep their leases until they expire: no second daemon joins them
         if self.httpd is not None:
             self.httpd.shutdown()
         if not done:

@@ -22,10 +22,10 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from html import escape
-from importlib.metadata import version
 from itertools import pairwise
 from pathlib import Path
 
+from canaryd import __version__
 from canaryd.backends import REVERT_FIRST
 from canaryd.errors import InputError
 from canaryd.files import write_private
@@ -314,7 +314,8 @@ def _chart(store: Store, backend: str, canary_id: str, last_id: int) -> str:
             f"observation {r.id} run {r.run_id} {iso(r.started_at)}: {r.verdict}, mean logprob {m:.5g}, "
             f"max |Δ| vs baseline {moved.get('max_abs_dlogprob')}"
         )
-        colour = COLOURS.get(Verdict(r.verdict).style, "#555")
+        known = r.verdict in Verdict._value2member_map_  # a newer canaryd may have stored a verdict we lack
+        colour = COLOURS.get(Verdict(r.verdict).style, "#555") if known else "#555"
         svg.append(
             f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3.5" fill="{colour}" data-verdict="{e(r.verdict)}" '
             f'data-tip="{e(tip)}"><title>{e(tip)}</title></circle>'
@@ -378,7 +379,7 @@ def _inline_md(line: str) -> str:
 
 def record_section(store: Store, run_ids: Sequence[int]) -> str:
     """The reproducibility record's five lines, as ``canaryd record`` writes them for these runs."""
-    rec = build_record(store, run_ids, version=version("canaryd"))
+    rec = build_record(store, run_ids, version=__version__)
     five = [ln.split(". ", 1)[1] for ln in to_markdown(rec).splitlines() if re.match(r"^[1-5]\. ", ln)]
     items = "".join(f"<li>{_inline_md(ln)}</li>" for ln in five)
     return f"<h2 id=record>Reproducibility record</h2><ol id=record-lines>{items}</ol>"
@@ -407,7 +408,7 @@ def render(
     triples = [(loaded[a], loaded[b], d) for (a, b), d in zip(pairs, diffs, strict=True)]
     title = f"canaryd report: runs {', '.join(map(str, order))}"
     body = (
-        f"<h1>{e(title)}</h1><p class=muted>{e(store.url)}; canaryd {e(version('canaryd'))}</p>"
+        f"<h1>{e(title)}</h1><p class=muted>{e(store.url)}; canaryd {e(__version__)}</p>"
         + summary_section(diffs, runs)
         + changes_section(triples)
         + history_section(store, runs, triples)

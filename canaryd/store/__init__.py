@@ -90,8 +90,11 @@ class Store(Writes, Queries, Leases):
 
     @property
     def url(self) -> str:
-        """The database URL without credentials: safe to print in a record."""
-        return self.engine.url.set(username=None, password=None).render_as_string(hide_password=False)
+        """The database URL without credentials (user, password, query parameters such as ``password=``):
+        safe to print in a record or a report."""
+        return self.engine.url.set(username=None, password=None, query={}).render_as_string(
+            hide_password=False
+        )
 
     def close(self) -> None:
         self.engine.dispose()

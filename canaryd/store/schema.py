@@ -37,7 +37,7 @@ from sqlmodel import Field, SQLModel
 
 from canaryd.observation import TokenLogprob
 
-PAYLOAD_FORMAT = 1  # the layout `encode_payload` writes; stored per row so that a new one can coexist
+PAYLOAD_FORMAT = 1  # the layout `compress_payload` writes; stored per row so that a new one can coexist
 
 
 class RunRow(SQLModel, table=True):
@@ -201,13 +201,6 @@ class LeaseRow(SQLModel, table=True):
     expires: datetime
 
 
-def encode_payload(tokens: list[TokenLogprob]) -> tuple[str, bytes]:
-    """(content hash, compressed bytes) of an answer's tokens: the hash of the canonical JSON, so an
-    unchanged answer maps to the row it already has."""
-    key, canonical = payload_key(tokens)
-    return key, compress_payload(canonical)
-
-
 def compress_payload(canonical: bytes) -> bytes:
     return zlib.compress(canonical, 6)
 
@@ -230,7 +223,7 @@ def payload_key(tokens: list[TokenLogprob]) -> tuple[str, bytes]:
 
 
 def decode_payload(data: bytes) -> list[TokenLogprob]:
-    """The tokens `encode_payload` stored, exactly (JSON floats round-trip float64)."""
+    """The tokens `compress_payload` stored, exactly (JSON floats round-trip float64)."""
     return [
         TokenLogprob(tok, lp, tid, tuple(b) if b is not None else None, tuple((t, v) for t, v in top))
         for tok, lp, tid, b, top in json.loads(zlib.decompress(data))

@@ -211,8 +211,7 @@ def test_a_reader_names_the_state_dir_it_found_no_database_in(tmp_path):
 
 
 def test_a_reader_never_migrates_an_older_schema(tmp_path):
-    from canaryd.store.engine import revision
-    from canaryd.store.engine import SCHEMA_REVISION
+    from canaryd.store.engine import SCHEMA_REVISION, revision
     from tests.unit.test_migrations import upgrade_to
 
     url = f"sqlite:///{tmp_path / 'canaryd.db'}"
