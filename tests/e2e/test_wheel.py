@@ -6,6 +6,7 @@ Dependencies come from the package index pip is configured with (PyPI on a fresh
 each step are printed (``pytest -s``) and asserted nowhere.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 
 import canaryd
+from canaryd import __version__
 
 REPO = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
 PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
@@ -135,3 +137,31 @@ def test_init_from_the_wheel_writes_a_config_that_validates(installed):
     ).read_bytes()
     v = installed.run("canaryd", "-c", str(cfg), "validate")
     assert v.returncode == 0, v.stderr
+
+
+def test_the_installed_package_probes_stores_and_writes_the_html_report(installed):
+    """From the wheel alone: two passes of a scripted backend into a new SQLite history, a `history`
+    that reads it, and the HTML report of both runs (the paths that read the installed version)."""
+    root = installed.work / "probe"
+    root.mkdir()
+    (root / "plain.toml").write_text(
+        '[suite]\nname = "plain"\n[[canary]]\nid = "add"\n'
+        'messages = [{ role = "user", content = "What is 17 + 25?" }]\n'
+        'expect = { number = 42, answer = "42" }\n'
+    )
+    cfg = root / "canaryd.toml"
+    cfg.write_text(
+        f'state_dir = "{root / "state"}"\nsuites = ["plain.toml"]\n'
+        '[[backends]]\nname = "fake"\nkind = "scripted"\nlatency_s = 0\n'
+    )
+    for expected in ("baseline", "identical"):
+        p = installed.run("canaryd", "-c", str(cfg), "check", "--json")
+        assert p.returncode == 0, p.stderr
+        assert expected in p.stdout
+    h = installed.run("canaryd", "history", "-c", str(cfg), "--json")
+    assert h.returncode == 0 and json.loads(h.stdout)["exit_code"] == 0, h.stderr
+    out = root / "report.html"
+    r = installed.run("canaryd", "-c", str(cfg), "report", "1", "2", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    page = out.read_text()
+    assert "<html" in page[:200] and "add" in page and f"canaryd {__version__}" in page
