@@ -19,6 +19,7 @@ from canaryd.canaries import load_suite
 from canaryd.config import load_config
 from canaryd.judge.compare import Verdict
 from canaryd.probe.run import Result, run_pass
+from canaryd.progress import shown
 from canaryd.report.tables import print_tables, results_table, stack_changes_table
 from canaryd.scaffold import shipped_canaries
 
@@ -37,7 +38,8 @@ def _verdicts(results: list[Result]) -> dict[str, int]:
     return counts
 
 
-def run_demo(workdir: Path, console: Console) -> int:
+def run_demo(workdir: Path, console: Console, progress: bool = True) -> int:
+    """The demo; ``progress`` shows training and probing on stderr when it is a terminal."""
     from canaryd.lab.tinymodel import build_tiny_model
     from canaryd.lab.vllm_process import VLLMServer, backend_block, free_port
 
@@ -53,7 +55,8 @@ def run_demo(workdir: Path, console: Console) -> int:
     # Answers that must fit in fewer tokens than they have bytes become whole-word tokens.
     words = sorted({c.expect.answer for c in known if len(c.expect.answer.encode()) >= c.decoding.max_tokens})
     console.rule("1. a tiny model, built on the spot")
-    model = build_tiny_model(workdir / "model", seed=0, train=train, steps=600, words=words)
+    with shown("training", "steps", enabled=progress):
+        model = build_tiny_model(workdir / "model", seed=0, train=train, steps=600, words=words)
     console.print(f"model: {model} (trained on {len(train)} canary answers)")
 
     port = free_port()
@@ -68,6 +71,10 @@ def run_demo(workdir: Path, console: Console) -> int:
         console.print(f"starting vLLM (CPU) with --dtype {dtype} on port {port} (about 40 s) ...")
         return VLLMServer(model, port=port, dtype=dtype, log_path=workdir / f"vllm-{dtype}.log")
 
+    def probed() -> list[Result]:
+        with shown("probing", "canaries", enabled=progress):
+            return run_pass(config)
+
     def show(title: str, results: list[Result]) -> dict[str, int]:
         console.rule(title)
         print_tables(console, results_table(results), stack_changes_table(results))
@@ -76,10 +83,10 @@ def run_demo(workdir: Path, console: Console) -> int:
         return counts
 
     with serve("float32"):
-        first = show("2. first probe: observations become baselines", run_pass(config))
-        again = show("3. probe again, nothing changed", run_pass(config))
+        first = show("2. first probe: observations become baselines", probed())
+        again = show("3. probe again, nothing changed", probed())
     with serve("bfloat16"):
-        shifted = show("4-5. same weights restarted with --dtype bfloat16: a silent shift", run_pass(config))
+        shifted = show("4-5. same weights restarted with --dtype bfloat16: a silent shift", probed())
 
     drift = sum(n for v, n in shifted.items() if Verdict(v).is_drift)
     ok = (

@@ -17,6 +17,8 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
+from canaryd import progress
+
 MARKER = "canaryd-tinymodel.json"
 # Bump when the build recipe changes so old cached directories are rebuilt.
 RECIPE_VERSION = 1
@@ -138,7 +140,9 @@ def _train(model, examples, steps: int) -> tuple[int, bool]:
     sel = tgt != -100
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     model.train()
+    progress.begin(steps, "the tiny model")  # at most `steps`: it stops once every answer wins
     for step in range(1, steps + 1):
+        progress.step()
         out = model(input_ids=ids, attention_mask=mask, labels=labels)
         opt.zero_grad()
         out.loss.backward()
