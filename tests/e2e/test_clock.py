@@ -28,8 +28,8 @@ import apscheduler.executors.base
 import apscheduler.schedulers.base
 import pytest
 
-import canaryd.cli
 import canaryd.daemon.service
+import canaryd.fields
 import canaryd.observation
 from canaryd.config import load_config
 from canaryd.daemon import signals
@@ -70,7 +70,7 @@ def clock(monkeypatch) -> Clock:
     for module in (
         canaryd.observation,
         canaryd.daemon.service,
-        canaryd.cli,
+        canaryd.fields,
         apscheduler.schedulers.base,
         apscheduler.executors.base,
     ):
