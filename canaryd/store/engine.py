@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from sqlalchemy import event, inspect
@@ -244,7 +244,23 @@ def current_revision(engine: Engine) -> str | None:
     if _new_sqlite_file(engine) is not None:
         return None  # connecting would create the file
     with engine.connect() as conn:
+        if _at_head(conn):  # the common case, in one statement; anything else is read in full
+            return SCHEMA_REVISION
         return _read_revision(engine, conn)
+
+
+_HEAD = "SELECT version_num FROM alembic_version"
+
+
+def _at_head(conn: Connection) -> bool:
+    """Whether the database is at the head revision (False also when it has no ``alembic_version``, which
+    `_read_revision` then looks into). Listing tables and views cost more than the rest of opening a store.
+    """
+    try:
+        with conn.begin_nested() if conn.dialect.name == "postgresql" else nullcontext():
+            return conn.exec_driver_sql(_HEAD).scalar() == SCHEMA_REVISION
+    except SQLAlchemyError:
+        return False
 
 
 def migrate(engine: Engine) -> tuple[str | None, str]:
