@@ -6,8 +6,11 @@ snapshot is taken once per backend per pass and joined with each response's own 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+import threading
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import structlog
@@ -81,9 +84,7 @@ def probe_backend(backend: Backend, canaries: Sequence[Canary], store: Store, co
             bound.exception("send_failed", canary=canary.id)
             return _missing(backend.name, canary, ErrorKind.INTERNAL, f"sending failed: {_describe(e)}")
 
-    with ThreadPoolExecutor(
-        max_workers=backend.concurrency, thread_name_prefix=f"probe-{backend.name}"
-    ) as ex:
+    with _workers(backend.name, backend.concurrency) as ex:
         sent = list(ex.map(progress.counted(one), canaries))
 
     try:  # baselines and calibrations, re-read only when they changed
@@ -163,6 +164,33 @@ def probe_backend(backend: Backend, canaries: Sequence[Canary], store: Store, co
     answered = [r.observation.stack for r in results if r.observation.ok]
     run_stack = merge_stacks([stack, *answered]) if failure is None and answered else {}
     return BackendRun(backend.name, backend.kind, run_id, results, run_stack, failure, decision.state)
+
+
+_IDLE: dict[tuple[str, int, int], list[ThreadPoolExecutor]] = {}  # (backend, workers, pid) → idle pools
+_IDLE_LOCK = threading.Lock()
+
+
+@contextmanager
+def _workers(backend: str, concurrency: int) -> Iterator[ThreadPoolExecutor]:
+    """A pool of ``concurrency`` threads for one pass of ``backend``, its own for the pass as before, but
+    kept for a later pass once this one is done: starting the threads again cost as much CPU as a probe.
+    Passes at once each take their own pool; a pass that fails shuts its pool down, as before."""
+    key = (backend, concurrency, os.getpid())  # a forked child never takes its parent's threads
+    with _IDLE_LOCK:
+        idle = _IDLE.setdefault(key, [])
+        ex = idle.pop() if idle else None
+    if ex is None:
+        ex = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix=f"probe-{backend}")
+    try:
+        yield ex
+    except BaseException:
+        ex.shutdown(wait=True)
+        raise
+    with _IDLE_LOCK:
+        if len(idle) < 2:
+            idle.append(ex)
+            return
+    ex.shutdown(wait=True)
 
 
 def _describe(e: BaseException) -> str:

@@ -148,3 +148,46 @@ def test_a_suite_is_parsed_again_only_when_its_text_changed(tmp_path):
     assert load_suite(path) is first
     path.write_text(body.format(id="b"))
     assert [c.id for c in load_suite(path).canaries] == ["b"]
+
+
+def test_the_payload_key_is_the_one_the_lists_gave():
+    import hashlib
+    import json
+
+    from canaryd.store.schema import payload_key
+
+    tokens = [*make_obs().tokens, TokenLogprob('é\n"', -0.0, None, None, ()), TokenLogprob("x", -1e-300, 7)]
+    doc = [
+        [
+            t.token,
+            t.logprob,
+            t.token_id,
+            list(t.bytes) if t.bytes is not None else None,
+            [list(x) for x in t.top],
+        ]
+        for t in tokens
+    ]
+    canonical = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
+    assert payload_key(tokens) == (hashlib.sha256(canonical).hexdigest(), canonical)
+
+
+def test_a_pass_reuses_the_threads_of_the_last_one_and_passes_at_once_get_their_own():
+    import threading
+
+    from canaryd.probe.run import _workers
+
+    def names(ex) -> set[int]:
+        return set(ex.map(lambda _: threading.get_ident(), range(8)))
+
+    with _workers("b", 2) as ex:
+        first = names(ex)
+        with _workers("b", 2) as other:  # a second pass of the backend at the same moment
+            assert other is not ex
+    with _workers("b", 2) as again:
+        assert again is ex and names(again) <= first  # the last pool idled, and no new thread
+    try:
+        with _workers("b", 2) as failing:
+            raise KeyError
+    except KeyError:
+        pass
+    assert failing._shutdown
