@@ -179,14 +179,14 @@ def test_a_pass_reuses_the_threads_of_the_last_one_and_passes_at_once_get_their_
     def names(ex) -> set[int]:
         return set(ex.map(lambda _: threading.get_ident(), range(8)))
 
-    with _workers("b", 2) as ex:
+    with _workers("probe-b", 2) as ex:
         first = names(ex)
-        with _workers("b", 2) as other:  # a second pass of the backend at the same moment
+        with _workers("probe-b", 2) as other:  # a second pass of the backend at the same moment
             assert other is not ex
-    with _workers("b", 2) as again:
+    with _workers("probe-b", 2) as again:
         assert again is ex and names(again) <= first  # the last pool idled, and no new thread
     try:
-        with _workers("b", 2) as failing:
+        with _workers("probe-b", 2) as failing:
             raise KeyError
     except KeyError:
         pass
