@@ -191,3 +191,11 @@ def test_a_pass_reuses_the_threads_of_the_last_one_and_passes_at_once_get_their_
     except KeyError:
         pass
     assert failing._shutdown
+
+
+def test_in_memory_databases_share_no_cache():
+    a, b = Store("sqlite://"), Store("sqlite:///:memory:")
+    c = Store("sqlite://")
+    assert a._cache is not c._cache and a._cache is not b._cache
+    for s in (a, b, c):
+        s.close()
