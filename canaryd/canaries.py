@@ -422,6 +422,8 @@ def load_suite(path: Path, max_bytes: int = SUITE_BYTES) -> Suite:
     """
     try:
         text = read_regular(path, "canary file", limit=max_bytes, limit_key="[limits] suite_bytes")
+        if (parsed := _PARSED.get((path, text))) is not None:
+            return parsed
         raw = tomllib.loads(text)
     except OSError as e:
         raise InputError(f"{path}: cannot read canary file: {e.strerror or e}") from None
@@ -447,7 +449,18 @@ def load_suite(path: Path, max_bytes: int = SUITE_BYTES) -> Suite:
             raise InputError(f"{path}: {where}.id: duplicate canary id {canary.id!r}")
         seen.add(canary.id)
         canaries.append(canary)
-    return Suite(name=head.suite.name, path=path, canaries=tuple(canaries))
+    suite = Suite(name=head.suite.name, path=path, canaries=tuple(canaries))
+    if len(_PARSED) >= _PARSED_MAX:
+        _PARSED.clear()
+    _PARSED[(path, text)] = suite
+    return suite
+
+
+# Suites this process parsed, by path and exact text: the file is read and checked every time, and parsed
+# again only when its text changed (a `canaryd check` pass parsed its TOML again each time). Suites are
+# frozen, so one object serves every caller.
+_PARSED: dict[tuple[Path, str], Suite] = {}
+_PARSED_MAX = 64
 
 
 def load_suites(paths: list[Path], max_bytes: int = SUITE_BYTES) -> list[Suite]:

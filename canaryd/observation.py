@@ -118,6 +118,22 @@ def logprob_problem(value: object) -> str | None:
 
 def tokens_problem(tokens: Iterable[TokenLogprob]) -> str | None:
     """The first token (or top-k alternative) whose logprob is unusable, as ``tokens.i.logprob: why``."""
+    tokens = tokens if isinstance(tokens, list | tuple) else list(tokens)
+    # The common case first: every value a plain float in range (`logprob_problem` passes exactly those;
+    # NaN fails both comparisons). Anything else, an int included, takes the exact path below.
+    lo, hi = LOGPROB_MIN, LOGPROB_MAX
+    for t in tokens:
+        lp = t.logprob
+        if type(lp) is not float or not lo <= lp <= hi:
+            break
+        for _, lp in t.top:
+            if type(lp) is not float or not lo <= lp <= hi:
+                break
+        else:
+            continue
+        break
+    else:
+        return None
     for i, t in enumerate(tokens):
         if (why := logprob_problem(t.logprob)) is not None:
             return f"tokens.{i}.logprob: {why}"

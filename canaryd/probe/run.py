@@ -6,8 +6,11 @@ snapshot is taken once per backend per pass and joined with each response's own 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+import threading
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import structlog
@@ -81,9 +84,7 @@ def probe_backend(backend: Backend, canaries: Sequence[Canary], store: Store, co
             bound.exception("send_failed", canary=canary.id)
             return _missing(backend.name, canary, ErrorKind.INTERNAL, f"sending failed: {_describe(e)}")
 
-    with ThreadPoolExecutor(
-        max_workers=backend.concurrency, thread_name_prefix=f"probe-{backend.name}"
-    ) as ex:
+    with _workers(f"probe-{backend.name}", backend.concurrency) as ex:
         sent = list(ex.map(progress.counted(one), canaries))
 
     try:  # baselines and calibrations, re-read only when they changed
@@ -165,6 +166,34 @@ def probe_backend(backend: Backend, canaries: Sequence[Canary], store: Store, co
     return BackendRun(backend.name, backend.kind, run_id, results, run_stack, failure, decision.state)
 
 
+_IDLE: dict[tuple[str, int, int], list[ThreadPoolExecutor]] = {}  # (name, workers, pid) → idle pools
+_IDLE_LOCK = threading.Lock()
+
+
+@contextmanager
+def _workers(name: str, concurrency: int) -> Iterator[ThreadPoolExecutor]:
+    """A pool of ``concurrency`` threads named ``name`` for one pass (of a backend's canaries, or of the
+    backends), its own for the pass as before, but kept for a later pass once this one is done: starting
+    the threads again cost as much CPU as a probe. Passes at once each take their own pool; a pass that
+    fails shuts its pool down, as before."""
+    key = (name, concurrency, os.getpid())  # a forked child never takes its parent's threads
+    with _IDLE_LOCK:
+        idle = _IDLE.setdefault(key, [])
+        ex = idle.pop() if idle else None
+    if ex is None:
+        ex = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix=name)
+    try:
+        yield ex
+    except BaseException:
+        ex.shutdown(wait=True)
+        raise
+    with _IDLE_LOCK:
+        if len(idle) < 2:
+            idle.append(ex)
+            return
+    ex.shutdown(wait=True)
+
+
 def _describe(e: BaseException) -> str:
     return storable(f"{e.__class__.__name__}: {str(e)[:300]}")
 
@@ -201,7 +230,7 @@ def probe_all(
     backends: Sequence[Backend], work: dict[str, list[Canary]], store: Store, config: Config
 ) -> list[BackendRun]:
     """Probe all backends in parallel; runs come back in config order."""
-    with ThreadPoolExecutor(max_workers=max(1, len(backends)), thread_name_prefix="backend") as ex:
+    with _workers("backend", max(1, len(backends))) as ex:
         futures = [ex.submit(probe_backend, b, work[b.name], store, config) for b in backends]
         return [f.result() for f in futures]
 

@@ -40,12 +40,21 @@ def _bad(value: object) -> bool:
     return isinstance(value, str) and text_problem(value) is not None
 
 
+def _ascii(tokens: list) -> bool:
+    """Every token and alternative an ASCII string: none can be a lone surrogate (the common case)."""
+    return all(
+        type(t.token) is str and t.token.isascii() and all(type(x) is str and x.isascii() for x, _ in t.top)
+        for t in tokens
+    )
+
+
 def _text_fields(obs: Observation) -> list[tuple[str, object]]:
     fields: list[tuple[str, object]] = [
         (name, getattr(obs, name))
         for name in ("text", "finish_reason", "system_fingerprint", "response_model")
     ]
-    for i, t in enumerate(obs.tokens):
+    # ASCII tokens have no text problem: skipping them changes no answer of `problem`, only its cost
+    for i, t in enumerate(() if _ascii(obs.tokens) else obs.tokens):
         fields.append((f"tokens.{i}.token", t.token))
         fields += [(f"tokens.{i}.top.{j}.token", tok) for j, (tok, _) in enumerate(t.top)]
     for key, value in obs.stack.items():

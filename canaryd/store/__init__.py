@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from canaryd.errors import InputError
-from canaryd.store.cache import Cache, Judging
+from canaryd.store.cache import Cache, Judging, shared
 from canaryd.store.engine import StorageUnusable, label, make_engine, migrate
 from canaryd.store.leases import Leases, holder_name, lease_seconds
 from canaryd.store.queries import Queries
@@ -78,8 +78,12 @@ class Store(Writes, Queries, Leases):
         self.instance = instance or socket.gethostname()
         self.lease_holder = holder_name(self.instance)
         self._detector_lock = threading.Lock()
-        self._cache = Cache()
         self.engine = make_engine(url)
+        url_ = self.engine.url
+        memory = url_.get_backend_name() == "sqlite" and (
+            url_.database in (None, "", ":memory:") or "memory" in str(url_.query) + (url_.database or "")
+        )  # each in-memory database is its own, whatever its URL: nothing to share
+        self._cache = Cache() if memory else shared(url_.render_as_string(hide_password=False))
         try:
             before, after = migrate(self.engine)
         except BaseException:

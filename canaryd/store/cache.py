@@ -90,6 +90,26 @@ class Cache:
             self.known = set()
 
 
+_SHARED: dict[str, Cache] = {}
+_SHARED_LOCK = threading.Lock()
+_SHARED_MAX = 32
+
+
+def shared(database: str) -> Cache:
+    """The process's `Cache` of one database (its full URL): every `Store` on an equal URL shares it, so a
+    store opened per pass (``canaryd check``, `canaryd.probe.run.run_pass`) starts with what the last one
+    read and wrote, not from nothing. Sharing changes nothing it holds true: each pass still starts with the
+    generation statement, and a known key another process pruned still fails its write, which forgets them.
+    """
+    with _SHARED_LOCK:
+        cache = _SHARED.get(database)
+        if cache is None:
+            if len(_SHARED) >= _SHARED_MAX:  # many databases in one process (tests): start over
+                _SHARED.clear()
+            cache = _SHARED[database] = Cache()
+        return cache
+
+
 class Judging:
     """What a pass judges one backend's observations against: the store's reads the shapes make
     (``baseline``, ``calibration``, ``run_set``), answered from memory."""

@@ -9,8 +9,9 @@ database up, on SQLite and PostgreSQL alike. Every `Store` runs them first (the 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from sqlalchemy import event, inspect
@@ -52,11 +53,71 @@ def _sqlite_pragmas(dbapi_conn, _record) -> None:
     cur.close()
 
 
+class _SharedCompiled:
+    """SQLAlchemy's compiled-statement cache, one for the process, shared by every engine `make_engine`
+    makes.
+
+    An engine keeps its own cache, keyed by its dialect object, so each new engine (a `Store` per
+    ``canaryd check`` pass, or per command) compiled every statement again: about as much CPU as the pass's
+    probes. Here the dialect in the key is replaced by the engine's *equivalence*: its dialect class and
+    its full URL. Equal URLs are the same database server, and `make_engine` builds equal URLs with equal
+    options, so their dialects compile a statement alike; a statement compiled on one engine is reused by
+    the next. Engines `make_engine` did not make keep their own dialect in the key (nothing is shared).
+    """
+
+    def __init__(self, size: int = 1000) -> None:
+        from sqlalchemy.util import LRUCache
+
+        self._lru: LRUCache = LRUCache(size)
+        self._equivalent: dict[int, tuple] = {}  # id(dialect) → its equivalence (the dialect is kept alive)
+        self._lock = threading.Lock()
+
+    def register(self, engine: Engine) -> None:
+        key = (type(engine.dialect), engine.url.render_as_string(hide_password=False))
+        with self._lock:
+            if len(self._equivalent) >= 256:  # many databases in one process (tests): start over
+                self._equivalent.clear()
+            self._equivalent[id(engine.dialect)] = (engine.dialect, key)
+
+    def _key(self, key: tuple) -> tuple:
+        hit = self._equivalent.get(id(key[0]))
+        return (hit[1], *key[1:]) if hit is not None and hit[0] is key[0] else key
+
+    def get(self, key: tuple, default=None):
+        return self._lru.get(self._key(key), default)
+
+    def __setitem__(self, key: tuple, value) -> None:
+        self._lru[self._key(key)] = value
+
+    def __getitem__(self, key: tuple):
+        return self._lru[self._key(key)]
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, tuple) and bool(key) and self._key(key) in self._lru
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def clear(self) -> None:
+        self._lru.clear()
+
+
+COMPILED = _SharedCompiled()
+
+
 def make_engine(url: str) -> Engine:
     """An engine for a history database, without touching its schema (``migrate`` does that).
 
     A SQLite file's directory is created private (0700); a URL canaryd cannot use is `StorageUnusable`.
+    Its compiled statements are shared with every other engine on an equal URL (`COMPILED`).
     """
+    engine = _make_engine(url)
+    COMPILED.register(engine)
+    engine.update_execution_options(compiled_cache=COMPILED)
+    return engine
+
+
+def _make_engine(url: str) -> Engine:
     try:
         u = make_url(url)
     except ArgumentError as e:
@@ -183,7 +244,23 @@ def current_revision(engine: Engine) -> str | None:
     if _new_sqlite_file(engine) is not None:
         return None  # connecting would create the file
     with engine.connect() as conn:
+        if _at_head(conn):  # the common case, in one statement; anything else is read in full
+            return SCHEMA_REVISION
         return _read_revision(engine, conn)
+
+
+_HEAD = "SELECT version_num FROM alembic_version"
+
+
+def _at_head(conn: Connection) -> bool:
+    """Whether the database is at the head revision (False also when it has no ``alembic_version``, which
+    `_read_revision` then looks into). Listing tables and views cost more than the rest of opening a store.
+    """
+    try:
+        with conn.begin_nested() if conn.dialect.name == "postgresql" else nullcontext():
+            return conn.exec_driver_sql(_HEAD).scalar() == SCHEMA_REVISION
+    except SQLAlchemyError:
+        return False
 
 
 def migrate(engine: Engine) -> tuple[str | None, str]:

@@ -205,20 +205,24 @@ def compress_payload(canonical: bytes) -> bytes:
     return zlib.compress(canonical, 6)
 
 
+_CANONICAL = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, check_circular=False).encode
+
+
 def payload_key(tokens: list[TokenLogprob]) -> tuple[str, bytes]:
     """(content hash, canonical JSON) of an answer's tokens: the key alone tells whether the row exists,
     so a repeated answer is never compressed again."""
+    # tuples encode as the lists they were once copied into, so the text (and the key) is the same
     doc = [
-        [
+        (
             t.token,
             t.logprob,
             t.token_id,
-            list(t.bytes) if t.bytes is not None else None,
-            [list(x) for x in t.top],
-        ]
+            t.bytes if type(t.bytes) in (tuple, type(None)) else list(t.bytes),
+            t.top,
+        )
         for t in tokens
     ]
-    canonical = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
+    canonical = _CANONICAL(doc).encode()
     return hashlib.sha256(canonical).hexdigest(), canonical
 
 

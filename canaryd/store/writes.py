@@ -106,6 +106,32 @@ _BY_HASH = {
     for t in (StackRow, PayloadRow, RequestRow, OutcomeRow)
 }
 
+_DET = DetectorRow.__table__  # type: ignore[attr-defined]
+_DETECTOR_READ = (
+    select(_DET.c.statistic, _DET.c.cycles, _DET.c.alarm, _DET.c.pending)
+    .where(_DET.c.backend == bindparam("key"))
+    .with_for_update()  # PostgreSQL: the row stays locked until the fold commits
+)
+_DETECTOR_WRITE = (
+    update(_DET)
+    .where(_DET.c.backend == bindparam("key"))
+    .values({c: bindparam(f"v_{c}") for c in ("statistic", "cycles", "alarm", "pending", "updated_at")})
+)
+_DETECTOR_INSERT: dict[str, object] = {}
+
+
+def _detector_insert(dialect: str):
+    """The backend's detector row at its start unless it exists (ON CONFLICT DO NOTHING), per dialect."""
+    stmt = _DETECTOR_INSERT.get(dialect)
+    if stmt is None:
+        if dialect == "postgresql":
+            from sqlalchemy.dialects.postgresql import insert
+        else:
+            from sqlalchemy.dialects.sqlite import insert
+        stmt = _DETECTOR_INSERT[dialect] = insert(_DET).on_conflict_do_nothing()
+    return stmt
+
+
 _EVENT = EventRow.__table__.insert()  # type: ignore[attr-defined]
 _RUN = RunRow.__table__.insert()  # type: ignore[attr-defined]
 
@@ -376,8 +402,10 @@ class Writes(Connected):
         PostgreSQL (``FOR UPDATE``), the write lock SQLite takes at the transaction's first statement (an
         insert, so no read ever upgrades to a write)."""
         with self._detector_lock, self._session() as s:
-            _insert_ignore(s, DetectorRow, backend=backend, **detector_start(), updated_at=utcnow())
-            row = s.exec(select(DetectorRow).where(DetectorRow.backend == backend).with_for_update()).one()
+            conn = s.connection()  # Core statements, built once (the ORM's row and flush cost more)
+            start = {"backend": backend, **detector_start(), "updated_at": utcnow()}
+            conn.execute(_detector_insert(conn.dialect.name), start)
+            row = conn.execute(_DETECTOR_READ, {"key": backend}).one()
             stored: DetectorDoc = {
                 "statistic": row.statistic,
                 "cycles": row.cycles,
@@ -386,9 +414,15 @@ class Writes(Connected):
             }
             new, result = step(stored)
             if new is not None:
-                row.statistic, row.cycles, row.alarm = new["statistic"], new["cycles"], new["alarm"]
-                row.pending, row.updated_at = list(new["pending"]), utcnow()
-                s.add(row)
+                values = {
+                    "key": backend,
+                    "v_statistic": new["statistic"],
+                    "v_cycles": new["cycles"],
+                    "v_alarm": new["alarm"],
+                    "v_pending": list(new["pending"]),
+                    "v_updated_at": utcnow(),
+                }
+                conn.execute(_DETECTOR_WRITE, values)
                 s.commit()
             return result
 
