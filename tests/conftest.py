@@ -36,3 +36,14 @@ def _fresh_logging():
 
     structlog.reset_defaults()
     yield
+
+
+@pytest.fixture(autouse=True)
+def _no_stray_terminal_size():
+    """GNU readline, once a dependency imports it, exports COLUMNS and LINES into the C environment behind
+    ``os.environ``'s back; every ``canaryd`` a test starts would then lay its tables out 80 columns wide.
+    Only what ``os.environ`` holds (a test's own choice) reaches a child process."""
+    for name in ("COLUMNS", "LINES"):
+        if name not in os.environ:
+            os.unsetenv(name)
+    yield
