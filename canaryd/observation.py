@@ -28,7 +28,8 @@ class ErrorKind(enum.StrEnum):
     AUTH = "auth"
     INVALID_RESPONSE = "invalid_response"
     TRUNCATED = "truncated"  # the connection closed mid-body
-    NO_LOGPROBS = "no_logprobs"
+    NO_LOGPROBS = "no_logprobs"  # the profile requires logprobs (``request.logprobs = "require"``); none came
+    CONFIG = "config"  # refused as configured (unsupported parameter or value): fix the profile
     CIRCUIT_OPEN = "circuit_open"  # not sent: the backend failed repeatedly and is cooling down
     TOO_LARGE = "too_large"  # the answer passed a cap: body bytes, or more tokens than max_tokens asked
     CHECK_TIMEOUT = "check_timeout"  # the expected-answer check ran out of time (a backtracking regex)
@@ -74,6 +75,8 @@ class Observation:
     tokens: list[TokenLogprob] = field(default_factory=list)
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    reasoning_tokens: int | None = None  # usage.completion_tokens_details.reasoning_tokens (hidden reasoning)
+    has_logprobs: bool = True  # whether the answer carried per-token logprobs (else it is judged on text)
     system_fingerprint: str | None = None
     response_model: str | None = None
     headers: dict[str, str] = field(default_factory=dict)

@@ -44,6 +44,7 @@ def result_dict(r: Result) -> dict:
         "system_fingerprint": o.system_fingerprint,
         "prompt_tokens": o.prompt_tokens,
         "completion_tokens": o.completion_tokens,
+        "reasoning_tokens": o.reasoning_tokens,
         "error": o.error,
         "error_kind": o.error_kind.value if o.error_kind else None,
         **r.comparison.as_dict(),

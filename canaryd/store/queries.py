@@ -80,6 +80,8 @@ def _build(row, tokens: list, stack: dict) -> Observation:
         tokens=tokens,
         prompt_tokens=row.prompt_tokens,
         completion_tokens=row.completion_tokens,
+        reasoning_tokens=row.reasoning_tokens,
+        has_logprobs=bool(row.payload_hash) if row.has_logprobs is None else row.has_logprobs,
         system_fingerprint=row.system_fingerprint,
         response_model=row.response_model,
         headers=row.headers,

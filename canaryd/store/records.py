@@ -49,6 +49,8 @@ class StoredObservation:
     finish_reason: str | None
     prompt_tokens: int | None
     completion_tokens: int | None
+    reasoning_tokens: int | None
+    has_logprobs: bool | None  # None: written before revision 0005
     system_fingerprint: str | None
     response_model: str | None
     headers: dict

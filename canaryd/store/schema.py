@@ -89,6 +89,8 @@ class OutcomeRow(SQLModel, table=True):
     finish_reason: str | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    reasoning_tokens: int | None = None
+    has_logprobs: bool | None = None  # None: written before revision 0005 (logprobs iff a payload)
     system_fingerprint: str | None = None
     response_model: str | None = None
     stack_hash: str | None = Field(default=None, foreign_key="stack.hash")
@@ -135,6 +137,8 @@ class ObservationRow(SQLModel, table=True):
     finish_reason: str | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    reasoning_tokens: int | None = None
+    has_logprobs: bool | None = None  # None: written before revision 0005 (logprobs iff a payload)
     system_fingerprint: str | None = None
     response_model: str | None = None
     headers: dict = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))

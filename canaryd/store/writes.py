@@ -241,6 +241,8 @@ class Writes(Connected):
             "finish_reason": obs.finish_reason,
             "prompt_tokens": obs.prompt_tokens,
             "completion_tokens": obs.completion_tokens,
+            "reasoning_tokens": obs.reasoning_tokens,
+            "has_logprobs": obs.has_logprobs,
             "system_fingerprint": obs.system_fingerprint,
             "response_model": obs.response_model,
             "stack_hash": stack_hash,
