@@ -8,8 +8,9 @@ restarts the dead one as a standby. It prints, side by side:
 * double probes per interval while both live (passes of one backend closer than half an interval), out of
   the passes run;
 * the gap in probing after SIGKILL and after SIGTERM: seconds from the dead daemon's last pass of a backend
-  to the survivor's first, and how much longer than a normal interval it was (SIGKILL: due at the lease's
-  end; SIGTERM: at most two intervals).
+  to the survivor's first, and how much longer than a normal interval it was (both: the survivor asks just
+  before the dead daemon's next pass was due; a killed daemon's presence connection died with it, a
+  stopped one released its leases).
 
     .venv/bin/python bench/failover.py [--interval 2] [--backends 3] [--rounds 4] [--live 5]
 """
@@ -26,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from canaryd.daemon.service import TAKEOVER_DELAY_S
+from canaryd.daemon.service import TAKEOVER_EARLY_S
 from canaryd.store import lease_seconds
 from tests.e2e.postgres import PostgresServer
 from tests.e2e.test_failover import Fleet, doubles, gaps_after
@@ -94,9 +95,9 @@ def main() -> None:
             )
     print(
         f"(gap: the dead daemon's last pass of a backend to the survivor's first; a daemon's own passes are "
-        f"{interval:g}s apart. SIGKILL: the lease ends {lease:g}s after the last pass and the survivor's "
-        f"takeover pass is due {TAKEOVER_DELAY_S:g}s later; SIGTERM releases at once: the stop comes within "
-        f"an interval of the last pass and the survivor's next pass within one more, {2 * interval:g}s)"
+        f"{interval:g}s apart. The survivor asks {TAKEOVER_EARLY_S:g}s before the dead daemon's next pass "
+        f"was due: SIGKILL ended its presence connection, SIGTERM released its leases; a hung daemon's "
+        f"lease would end {lease:g}s after its last pass)"
     )
 
 

@@ -58,6 +58,9 @@ CLOCK_STEP_S = 1.0
 # A standby asks for a backend this long after its lease was due to end (`Daemon._claim`): the end as the
 # database counted it, measured here from the claim's answer.
 TAKEOVER_DELAY_S = 0.1
+# ... and this long before the holder's next pass is due: a killed holder's lease ends with its presence
+# (`canaryd.store.leases`), so its pass is taken on time; a live holder's claim is refused, harmlessly.
+TAKEOVER_EARLY_S = 0.25
 TAKEOVER = "takeover:"  # the prefix of a takeover pass's job id
 
 
@@ -70,6 +73,7 @@ class Generation:
     work: dict[str, dict[str, list[Canary]]]  # schedule -> backend -> canaries
     lease_s: dict[str, float]  # backend -> how long a pass's claim lasts (its most frequent schedule's)
     lead: dict[str, str]  # backend -> that schedule: the one a takeover pass runs
+    gap_s: dict[str, float]  # backend -> the longest wait between two passes of that schedule
     interval_s: dict[str, float]  # schedule -> its interval
     active: int = 0
     retired: bool = False
@@ -93,14 +97,15 @@ class Generation:
             }
         lease_s: dict[str, float] = {}
         lead: dict[str, str] = {}
+        gap_s: dict[str, float] = {}
         interval_s = {sched.name: sched.interval_s for sched in config.schedules}
         for sched in config.schedules:
             for b in work[sched.name]:
                 s = lease_seconds(sched.longest_gap_s, sched.jitter)
                 if s < lease_s.get(b, float("inf")):
-                    lease_s[b], lead[b] = s, sched.name
+                    lease_s[b], lead[b], gap_s[b] = s, sched.name, sched.longest_gap_s
         backends = {b.name: make_backend(b, stopping) for b in config.backends}
-        return cls(config, backends, work, lease_s, lead, interval_s)
+        return cls(config, backends, work, lease_s, lead, gap_s, interval_s)
 
     def work_pairs(self) -> dict[str, set[str]]:
         """Every backend with the ids of the canaries any schedule sends it."""
@@ -315,15 +320,17 @@ class Daemon:
 
     def _claim(self, gen: Generation, backends: list[str]) -> set[str]:
         """Claim the backends' leases; those this daemon holds. For each held elsewhere, a takeover pass
-        is due when its lease ends: if the holder is dead (or hung), this daemon probes the backend then,
-        about one lease length after the holder's last pass, rather than at its own next pass (up to an
-        interval later). A live holder will have renewed: that pass only claims, and waits again."""
+        is due just before the holder's next pass: if the holder was killed (its presence gone), this
+        daemon probes the backend then, on the holder's schedule; if it is alive, that pass only claims,
+        and asks again when the lease ends (a hung holder's backends are taken over then)."""
         held, ends_in = self.tenure.claim(gen.lease_s, backends)
         if not self.stop_event.is_set():
             for b, seconds in ends_in.items():
+                due = seconds - (gen.lease_s[b] - gen.gap_s[b])  # the holder's next pass, without jitter
+                wait = due - TAKEOVER_EARLY_S if due > TAKEOVER_EARLY_S else seconds + TAKEOVER_DELAY_S
                 self.scheduler.add_job(
                     self._job,
-                    DateTrigger(datetime.now(UTC) + timedelta(seconds=seconds + TAKEOVER_DELAY_S)),
+                    DateTrigger(datetime.now(UTC) + timedelta(seconds=wait)),
                     args=[gen.lead[b], b],
                     id=TAKEOVER + b,
                     name=TAKEOVER + b,

@@ -78,6 +78,7 @@ class Store(Writes, Queries, Leases):
         self.instance = instance or socket.gethostname()
         self.lease_holder = holder_name(self.instance)
         self._detector_lock = threading.Lock()
+        self._presence_lock = threading.Lock()
         self.engine = make_engine(url)
         url_ = self.engine.url
         memory = url_.get_backend_name() == "sqlite" and (
@@ -101,6 +102,7 @@ class Store(Writes, Queries, Leases):
         )
 
     def close(self) -> None:
+        self.end_presence()
         self.engine.dispose()
 
 

@@ -18,19 +18,26 @@ that is not renewed simply ends: a dead or a hung holder loses its backends one 
 last pass, and the lease table says who holds what (``SELECT * FROM lease``).
 
 A lease lasts `lease_seconds` (one interval, the schedule's jitter and a grace for a late pass): a holder's
-next pass renews it in time, and a daemon killed with SIGKILL has its backends taken over when their leases
-end (a standby learns from a failed claim when that is, and asks again then: see the daemon's
-``Daemon._claim``). SQLite keeps the single-daemon behaviour:
-no lease is written and every backend is this daemon's.
+next pass renews it in time. A lease also ends early when its holder's **presence** is gone: each daemon
+keeps one idle connection whose ``application_name`` is ``canaryd <token>`` (`presence_name`), recorded in
+its lease rows, and a claim takes a lease whose presence no longer shows in ``pg_stat_activity``. A daemon
+killed with SIGKILL loses that connection at once (the kernel closes its socket), so a standby that asks
+at the dead holder's next due time (`Daemon._claim`) probes the backend on time: no pass is missed. A hung
+holder keeps its connection, hence its presence: its backends go when its leases end, as before. A
+presence is recorded only while it is visible through the database's own connections (a pooler that
+hides it leaves the column NULL, and that holder's leases simply expire). SQLite keeps the single-daemon
+behaviour: no lease is written and every backend is this daemon's.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import uuid
 from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
-from sqlalchemy import text
+from sqlalchemy import Connection, text
 
 from canaryd.store.engine import Connected
 
@@ -41,11 +48,16 @@ GRACE_MIN_S = 1.0
 GRACE_MAX_S = 30.0
 
 _CLAIM = text("""
-INSERT INTO lease (backend, holder, expires)
-SELECT b, :holder, now() + make_interval(secs => s)
+INSERT INTO lease (backend, holder, expires, presence)
+SELECT b, :holder, now() + make_interval(secs => s),
+       (SELECT a.application_name FROM pg_stat_activity a
+        WHERE a.application_name = CAST(:presence AS text) LIMIT 1)
 FROM unnest(CAST(:backends AS text[]), CAST(:seconds AS float8[])) AS t(b, s)
-ON CONFLICT (backend) DO UPDATE SET holder = excluded.holder, expires = excluded.expires
+ON CONFLICT (backend) DO UPDATE
+SET holder = excluded.holder, expires = excluded.expires, presence = excluded.presence
 WHERE lease.expires < now() OR lease.holder = excluded.holder
+   OR (lease.presence IS NOT NULL
+       AND NOT EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.application_name = lease.presence))
 RETURNING backend
 """)
 _HOLDERS = text(
@@ -76,10 +88,18 @@ def holder_name(instance: str) -> str:
     return f"{instance}#{uuid.uuid4().hex[:8]}"
 
 
+def presence_name(holder: str) -> str:
+    """The ``application_name`` of a holder's presence connection: short and ASCII (PostgreSQL keeps 63
+    bytes of it, and replaces other characters), unique by the holder's token."""
+    return "canaryd " + holder.rpartition("#")[2]
+
+
 class Leases(Connected):
     """The store's leases (a mixin of `canaryd.store.Store`, which sets ``lease_holder``)."""
 
     lease_holder: str  # `holder_name`: this process's name in the lease table
+    _presence: Connection | None = None  # the idle connection that says this process is alive
+    _presence_lock: threading.Lock  # the daemon's passes claim from several threads
 
     @property
     def leased(self) -> bool:
@@ -93,11 +113,13 @@ class Leases(Connected):
         if not self.leased:
             return {b: Lease(self.lease_holder, s) for b, s in seconds.items()}
         names = sorted(seconds)  # one lock order for every claimer: overlapping claims cannot deadlock
+        presence = self._present()
         with self.engine.begin() as conn:
             mine = conn.execute(
                 _CLAIM,
                 {
                     "holder": self.lease_holder,
+                    "presence": presence,
                     "backends": names,
                     "seconds": [float(seconds[b]) for b in names],
                 },
@@ -108,6 +130,35 @@ class Leases(Connected):
                 for b, holder, ends_in in conn.execute(_HOLDERS, {"backends": rest}):
                     leases[b] = Lease(holder, max(0.0, float(ends_in)))
         return {b: leases.get(b, Lease(None, 0.0)) for b in names}
+
+    def _present(self) -> str | None:
+        """This process's presence name, its connection (re)opened if it is not alive; None when it cannot
+        be (the claim then records no presence, and this holder's leases only expire)."""
+        with self._presence_lock:
+            conn = self._presence
+            try:
+                if conn is not None:
+                    conn.exec_driver_sql("SELECT 1")
+                    return presence_name(self.lease_holder)
+            except Exception:
+                with contextlib.suppress(Exception):
+                    conn.close()
+            self._presence = None
+            name = presence_name(self.lease_holder)
+            try:
+                conn = self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+                conn.execute(text("SELECT set_config('application_name', :n, false)"), {"n": name})
+            except Exception:
+                return None
+            self._presence = conn  # held, never returned to the pool: no other thread ever gets it
+            return name
+
+    def end_presence(self) -> None:
+        """Close the presence connection (the store closes)."""
+        with self._presence_lock:
+            if self._presence is not None:
+                self._presence.close()
+                self._presence = None
 
     def release_leases(self, backends: Iterable[str] | None = None) -> int:
         """End this process's leases (default: all of them) so another daemon takes the backends over at

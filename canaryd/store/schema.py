@@ -203,6 +203,7 @@ class LeaseRow(SQLModel, table=True):
     backend: str = Field(primary_key=True)
     holder: str  # `canaryd.store.leases.Leases.lease_holder`: instance name and a per-process token
     expires: datetime
+    presence: str | None = None  # the holder's presence connection (`leases.presence_name`), when visible
 
 
 def compress_payload(canonical: bytes) -> bytes:

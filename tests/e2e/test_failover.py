@@ -3,9 +3,9 @@
 The backends are of the scripted kind (no network), probed every 2 s. While both daemons live, each
 backend's passes come from one daemon: consecutive runs of a backend (the ``run`` table, with the
 instance that probed) are an interval apart, never two in one interval. A holder killed with SIGKILL has
-its backends taken over by the other as its leases end (a lease and a late start after its last pass);
-one stopped with SIGTERM
-releases them, and the other takes them over at its next pass. `Fleet` is shared with bench/failover.py.
+its backends taken over by the other when its next pass was due (its presence connection died with it);
+one stopped with SIGTERM releases them, and the other takes them over as soon. `Fleet` is shared with
+bench/failover.py.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, text
 
-from canaryd.store import lease_seconds
+from canaryd.store import Store, lease_seconds
+from canaryd.store.leases import presence_name
 from tests.e2e.postgres import PostgresServer
 from tests.unit.scripted_lab import PLAIN, free_port, scripted
 
@@ -186,8 +187,8 @@ def test_two_daemons_share_the_work_and_take_over_from_a_killed_or_stopped_one(f
     )
     gaps = gaps_after(fleet.runs(), victim, killed)
     assert set(gaps) == theirs
-    for b, gap in gaps.items():  # the heir's takeover pass is due at the lease's end (+ a late start)
-        assert gap <= lease + SLACK, f"{b}: {gap:.2f}s without a probe (lease {lease}s)"
+    for b, gap in gaps.items():  # the heir probes when the victim's pass was due (+ a late start)
+        assert gap <= interval + SLACK, f"{b}: {gap:.2f}s without a probe (interval {interval}s)"
     acquired = [e for e in fleet.log(heir) if e["event"] == "lease.acquired" and e["level"] == "warning"]
     assert {e["backend"] for e in acquired} >= theirs
     assert all(e["previous"].startswith(f"{victim}#") for e in acquired if e["backend"] in theirs)
@@ -227,3 +228,39 @@ def test_two_daemons_share_the_work_and_take_over_from_a_killed_or_stopped_one(f
     assert starts and all(e["canaries"] == 3 and e["level"] == "info" for e in starts)
     assert len(done) == len(starts) and all(sum(e["verdicts"].values()) == 3 for e in done)
     assert datetime.now(UTC).timestamp() - t_both < 120
+
+
+def test_a_killed_holders_leases_end_with_its_presence_a_hung_ones_when_they_expire(pg):
+    """The claim statement itself, with two stores: SIGKILL closes the holder's presence connection (here:
+    the server ends it), and the lease is free at once; a holder whose presence was never visible keeps
+    its lease until it expires; the killed holder's next claim opens a new presence."""
+    url = pg.create_database("presence")
+    a, b = Store(url, "a"), Store(url, "b")
+    try:
+        assert a.claim_leases({"x": 60, "y": 60})["x"].holder == a.lease_holder
+        refused = b.claim_leases({"x": 60})["x"]
+        assert refused.holder == a.lease_holder and 55 < refused.ends_in <= 60
+        with a.engine.begin() as c:  # y: a holder without a recorded presence (hidden by a pooler, say)
+            c.execute(text("UPDATE lease SET presence = NULL WHERE backend = 'y'"))
+            ended = (
+                c.execute(
+                    text(
+                        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = :n"
+                    ),
+                    {"n": presence_name(a.lease_holder)},
+                )
+                .scalars()
+                .all()
+            )
+        assert ended == [True]
+        time.sleep(0.5)  # the server has ended the session
+        after = b.claim_leases({"x": 60, "y": 60})
+        assert after["x"].holder == b.lease_holder  # taken long before the lease's 60 s
+        assert after["y"].holder == a.lease_holder  # no presence recorded: only its expiry frees it
+        assert a.claim_leases({"x": 60})["x"].holder == b.lease_holder  # no double: b holds it now
+        with a.engine.connect() as c:
+            names = c.execute(text("SELECT application_name FROM pg_stat_activity")).scalars().all()
+        assert presence_name(a.lease_holder) in names  # a's claim reopened its presence
+    finally:
+        a.close()
+        b.close()

@@ -1,8 +1,9 @@
-"""outcome.reasoning_tokens and outcome.has_logprobs: answers judged on text and usage (no logprobs)
+"""outcome.reasoning_tokens, outcome.has_logprobs (answers judged on text and usage), lease.presence
 
 ``reasoning_tokens`` is ``usage.completion_tokens_details.reasoning_tokens`` (hidden reasoning a model
 spent); ``has_logprobs`` says whether the answer carried per-token logprobs. Rows written before this
-revision leave it NULL: they had logprobs exactly when they have a payload.
+revision leave it NULL: they had logprobs exactly when they have a payload. ``lease.presence`` names the
+holder's presence connection, so a killed holder's leases end at once (``canaryd/store/leases.py``).
 
 Revision ID: 0005
 Revises: 0004
@@ -44,9 +45,12 @@ def upgrade() -> None:
         batch_op.add_column(sa.Column("reasoning_tokens", sa.Integer(), nullable=True))
         batch_op.add_column(sa.Column("has_logprobs", sa.Boolean(), nullable=True))
     op.execute(f"CREATE VIEW observation AS {OBSERVATION_VIEW}")
+    with op.batch_alter_table("lease", schema=None) as batch_op:
+        batch_op.add_column(sa.Column("presence", sa.String(), nullable=True))
 
 
 def downgrade() -> None:
+    op.drop_column("lease", "presence")
     op.execute("DROP VIEW observation")
     op.drop_column("outcome", "has_logprobs")
     op.drop_column("outcome", "reasoning_tokens")
