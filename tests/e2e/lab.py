@@ -37,7 +37,9 @@ class Lab:
         (root / "canaryd.toml").write_text(config.format(port=self.port))
         self.serving = root / "serving"  # a symlink, so swapped weights keep the same served path
 
-    def serve(self, model: Path, dtype: str = "float32", *, link: bool = True, **kwargs) -> VLLMServer:
+    def serve(
+        self, model: Path, dtype: str = "float32", *, link: bool = True, extra_args=(), **kwargs
+    ) -> VLLMServer:
         """vLLM serving ``model`` (not started yet: use it as a context manager). ``link``: through the
         ``serving`` symlink, so that a swap of weights keeps every other engine argument as it was."""
         if link:
@@ -47,7 +49,8 @@ class Lab:
             self.serving if link else model,
             port=self.port,
             dtype=dtype,
-            extra_args=["--enforce-eager"],  # skips the torch.compile warm-up: ~35 s a start instead of ~50
+            # --enforce-eager skips the torch.compile warm-up: ~35 s a start instead of ~50
+            extra_args=["--enforce-eager", *extra_args],
             log_path=self.root / f"vllm-{model.name}-{dtype}.log",
             **kwargs,
         )
