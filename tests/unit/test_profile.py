@@ -157,7 +157,7 @@ def config(tmp_path: Path, block: str, suite: str = "", refs: str = "['s.toml']"
     )
     path = tmp_path / "canaryd.toml"
     path.write_text(
-        f"suites = {refs}\n[[backends]]\nname = 'cloud'\nkind = 'openai'\nbase_url = 'http://h/v1'\n"
+        f"state_dir = 'state'\nsuites = {refs}\n[[backends]]\nname = 'cloud'\nkind = 'openai'\nbase_url = 'http://h/v1'\n"
         f"model = 'm'\n{block}"
     )
     return path
@@ -210,9 +210,9 @@ def test_a_bad_profile_is_one_line_naming_the_field(tmp_path, block, message):
 RAW_SUITE = '[suite]\nname = "raw"\n[[canary]]\nid = "sky"\nprompt = "The sky is"\n'
 
 
-def validate(path: Path) -> subprocess.CompletedProcess:
+def validate(path: Path, command: str = "validate") -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "canaryd", "-c", str(path), "validate"],
+        [sys.executable, "-m", "canaryd", "-c", str(path), command],
         capture_output=True,
         text=True,
         timeout=60,
@@ -240,6 +240,8 @@ def test_raw_prompt_canaries_are_refused_up_front_where_there_is_no_completions_
         in p.stderr
     )
     assert why in p.stderr
+    check = validate(config(tmp_path, block, RAW_SUITE), "check")  # refused before anything is sent
+    assert check.returncode == 2 and check.stderr == p.stderr
 
 
 def test_the_responses_kind_refuses_raw_prompts_and_a_suite_can_leave_it_out(tmp_path):
