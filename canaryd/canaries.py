@@ -89,7 +89,7 @@ class Message(_Strict):
 class Decoding(_Strict):
     temperature: Annotated[float, Field(ge=0, le=2)] = 0.0
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
-    max_tokens: Annotated[int, Field(ge=1, le=4096)] = 32
+    max_tokens: Annotated[int, Field(ge=1, le=65536)] = 32  # reasoning models spend thousands unseen
     seed: int | None = 0
     top_logprobs: Annotated[int, Field(ge=0, le=20)] = 5
     stop: tuple[str, ...] = ()

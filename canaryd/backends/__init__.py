@@ -37,6 +37,7 @@ __all__ = [
 KINDS: dict[str, str] = {
     "vllm": "canaryd.backends.vllm_server",
     "openai": "canaryd.backends.openai_compat",
+    "openai-responses": "canaryd.backends.openai_responses",
     "vllm-offline": "canaryd.backends.vllm_offline",
     "scripted": "canaryd.backends.scripted",
 }

@@ -15,6 +15,7 @@ from typing import Annotated, Protocol
 
 from pydantic import Field, field_validator, model_validator
 
+from canaryd.backends.profile import RequestProfile, check_preset, effective
 from canaryd.canaries import ID_PATTERN, Canary
 from canaryd.errors import InputError
 from canaryd.fields import ENV_NAME, Duration, Strict
@@ -56,12 +57,34 @@ class BackendSettings(Strict):
 
 
 class HttpSettings(BackendSettings):
-    """A kind reached over HTTP: where, and the name of the secret that opens it (never the secret)."""
+    """A kind reached over HTTP: where, the name of the secret that opens it (never the secret), and what
+    its requests carry beyond the canary (a ``preset`` and a ``[backends.request]`` table, `profile.py`)."""
 
     base_url: str
     api_key_env: Annotated[str | None, Field(pattern=ENV_NAME)] = None
     api_key_file: Path | None = None
     connect_timeout_s: Annotated[float, Field(gt=0, le=600)] = 5.0
+    preset: str | None = None
+    request: RequestProfile = RequestProfile()
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, v: str | None) -> str | None:
+        return check_preset(v)
+
+    @property
+    def profile(self) -> RequestProfile:
+        """The effective request profile: the preset, with the explicit keys overriding it."""
+        return effective(self.preset, self.request)
+
+    @property
+    def no_completions(self) -> str | None:
+        """Why raw-prompt canaries cannot go to this backend (the key that says so), None when they can."""
+        if self.profile.completions:
+            return None
+        if "completions" in self.request.model_fields_set:
+            return "request.completions = false"
+        return f"preset = {self.preset!r}"
 
     @field_validator("base_url")
     @classmethod

@@ -22,6 +22,7 @@ from typing import Any, Literal
 from canaryd import __version__
 from canaryd.backends import openai_wire as wire
 from canaryd.backends.base import BackendUnavailable, HttpSettings
+from canaryd.backends.profile import DEFAULT, RequestProfile
 from canaryd.canaries import Canary
 from canaryd.lazy import lazy_import
 from canaryd.observation import ErrorKind, Observation, storable, utcnow
@@ -39,6 +40,11 @@ EXAMPLE = """\
 # base_url = "https://api.openai.com/v1"
 # model = "gpt-4.1-mini"
 # api_key_env = "OPENAI_API_KEY"
+# preset = "openai-chat"      # what the provider accepts: openai-reasoning, azure, anthropic-compat,
+#                             # gemini-compat, openrouter, groq, together, fireworks, deepseek, mistral, xai
+# [backends.request]          # keys here override the preset's (docs/profiles.md)
+# logprobs = "prefer"         # require | prefer (answers without them are judged on text) | off
+# extra_body = { reasoning_effort = "low" }
 """
 
 
@@ -75,6 +81,7 @@ class Prober:
         self.cfg = cfg
         self.name = cfg.name
         self.concurrency = cfg.concurrency
+        self.profile = cfg.profile
         self._key = cfg.api_key()
         self._requests: dict[Canary, Prepared] = {}  # a plain dict: a race only builds a body twice
         headers = {"Accept": "application/json", "User-Agent": _user_agent()}
@@ -92,13 +99,18 @@ class Prober:
 
     # -- the stack ----------------------------------------------------------------------------------
     def snapshot(self) -> dict[str, str]:
-        return {"backend.kind": self.kind, "request.model": self.cfg.model}
+        fields = {"backend.kind": self.kind, "request.model": self.cfg.model}
+        if self.profile != DEFAULT:  # absent by default, so stacks recorded before profiles still match
+            fields["request.profile"] = self.profile.digest()
+        return fields
 
     def response_stack(self, r: wire.Parsed, headers: httpx2.Headers) -> dict[str, str]:
         """Per-response serving facts: they join the backend snapshot in the observation's stack."""
         fields = {"response.model": str(r.model), "response.system_fingerprint": str(r.system_fingerprint)}
         if r.service_tier is not None:
             fields["response.service_tier"] = r.service_tier
+        if r.provider is not None:
+            fields["response.provider"] = r.provider
         fields.update({f"header.{h}": headers[h] for h in wire.IDENTITY_HEADERS if h in headers})
         return fields
 
@@ -114,21 +126,28 @@ class Prober:
     def request_hash(self, canary: Canary) -> str:
         return self._prepared(canary).hash
 
+    def body(self, canary: Canary, profile: RequestProfile) -> dict:
+        """The body for ``canary`` under ``profile``, before the profile's ``extra_body``."""
+        return {**wire.request_body(self.cfg.model, canary, profile), **self.extra_params(canary)}
+
+    def route(self, canary: Canary) -> tuple[str, Callable[[Any], wire.Parsed]]:
+        """Where the canary's request goes, and the parser of the answer."""
+        if canary.messages is not None:
+            return f"{self.cfg.base_url}/chat/completions", wire.parse_chat
+        return f"{self.cfg.base_url}/completions", wire.parse_completion
+
     def _prepared(self, canary: Canary) -> Prepared:
         """The canary's request, built once: a canary's body is the same every cycle, and building it
         (a model dump, two JSON encodings, a hash) cost more than parsing the answer. Canaries are frozen
-        and hashable; a chain's steps (new text each cycle) only fill the map, which is emptied when full."""
+        and hashable; a chain's steps (new text each cycle) only fill the map, which is emptied when full.
+
+        The hash is the default profile's body: what the canary decides. A profile change keeps the
+        baseline and shows as the stack field ``request.profile``, not as a new canary."""
         hit = self._requests.get(canary)
         if hit is None:
-            body = {**wire.request_body(self.cfg.model, canary), **self.extra_params(canary)}
-            chat = canary.messages is not None
-            hit = Prepared(
-                body,
-                wire.request_hash(body),
-                wire_body(body),
-                f"{self.cfg.base_url}/{'chat/completions' if chat else 'completions'}",
-                wire.parse_chat if chat else wire.parse_completion,
-            )
+            body = {**self.body(canary, self.profile), **self.profile.extra_body}
+            canonical = body if self.profile == DEFAULT else self.body(canary, DEFAULT)
+            hit = Prepared(body, wire.request_hash(canonical), wire_body(body), *self.route(canary))
             if len(self._requests) >= PREPARED_MAX:
                 self._requests.clear()
             self._requests[canary] = hit
@@ -148,16 +167,19 @@ class Prober:
                 return obs
             r = parse(wire.parse_json(reply.body))
             obs.text, obs.system_fingerprint, obs.response_model = r.text, r.system_fingerprint, r.model
-            obs.finish_reason, obs.prompt_tokens, obs.completion_tokens = (
+            obs.finish_reason, obs.prompt_tokens, obs.completion_tokens, obs.reasoning_tokens = (
                 r.finish_reason,
                 r.prompt_tokens,
                 r.completion_tokens,
+                r.reasoning_tokens,
             )
             obs.stack = self.response_stack(r, reply.headers)
-            if r.tokens is None:
-                obs.error_kind, obs.error = ErrorKind.NO_LOGPROBS, "response carries no logprobs"
-            else:
+            if r.tokens is not None and self.profile.logprobs != "off":
                 obs.tokens = r.tokens
+            elif self.profile.logprobs == "require":
+                obs.error_kind, obs.error = ErrorKind.NO_LOGPROBS, "response carries no logprobs"
+            else:  # judged on its text, usage and stack
+                obs.has_logprobs = False
         except (wire.InvalidResponse, transport.BadEncoding) as e:
             obs.error_kind, obs.error = ErrorKind.INVALID_RESPONSE, str(e)
         except transport.DeadlinePassed as e:
@@ -220,7 +242,7 @@ def wire_body(body: dict) -> bytes:
     """The request body as the ``openai`` SDK serialised it (so requests did not change when canaryd
     stopped using it): the model and the messages or prompt first, then the SDK's own parameters in
     alphabetical order, then the rest (``extra_body``) in the order given; compact UTF-8 JSON."""
-    first = [k for k in ("model", "messages", "prompt") if k in body]
+    first = [k for k in ("model", "messages", "prompt", "input") if k in body]
     sdk = sorted(k for k in body if k in wire.SDK_PARAMS and k not in first)
     extra = [k for k in body if k not in wire.SDK_PARAMS]
     ordered = {k: body[k] for k in (*first, *sdk, *extra)}

@@ -1,5 +1,5 @@
 """The OpenAI wire format, shared by every kind that speaks it: the request body a canary becomes, the
-hash baselines are keyed by, and typed parsers for chat and legacy completion bodies.
+hash baselines are keyed by, and typed parsers for chat, legacy completion and Responses API bodies.
 
 Parsing reads the raw JSON ourselves (`parse_json`), so a malformed body becomes a named error
 (`InvalidResponse`, with the field) instead of a half-filled object: a field of the wrong type, a string
@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from canaryd.backends.profile import DEFAULT, RequestProfile
 from canaryd.canaries import Canary
 from canaryd.observation import (
     LOGPROB_MAX,
@@ -28,7 +29,15 @@ from canaryd.observation import (
 )
 
 # Headers that identify the serving side; they join the stack snapshot, so they must be stable per stack.
-IDENTITY_HEADERS = ("server", "openai-version", "openai-model", "x-openrouter-provider")
+# Azure names the model version, the deployment's session and the region serving it.
+IDENTITY_HEADERS = (
+    "server",
+    "openai-version",
+    "openai-model",
+    "x-openrouter-provider",
+    "azureml-model-session",
+    "x-ms-region",
+)
 # Response headers worth keeping with each observation (never credentials or cookies): exact names only, so
 # a server sending hundreds of ``x-ratelimit-*`` variants cannot bloat every stored event.
 RECORDED_HEADERS = frozenset(
@@ -36,6 +45,7 @@ RECORDED_HEADERS = frozenset(
         *IDENTITY_HEADERS,
         "openai-processing-ms",
         "x-request-id",
+        "apim-request-id",
         "retry-after",
         "via",
         *(
@@ -76,6 +86,7 @@ SDK_PARAMS = frozenset(
         "temperature",
         "top_p",
         "max_tokens",
+        "max_completion_tokens",
         "n",
         "seed",
         "stop",
@@ -115,7 +126,8 @@ def parse_json(body: bytes | str) -> Any:
 
 @dataclass(frozen=True, slots=True)
 class Parsed:
-    """What canaryd takes from a completion body; ``tokens`` is None when the server sent no logprobs."""
+    """What canaryd takes from a completion body; ``tokens`` is None when the server sent no logprobs.
+    ``provider`` is the upstream that answered (OpenRouter's body field)."""
 
     text: str | None
     tokens: list[TokenLogprob] | None
@@ -125,6 +137,8 @@ class Parsed:
     system_fingerprint: str | None
     model: str | None
     service_tier: str | None
+    reasoning_tokens: int | None = None
+    provider: str | None = None
 
 
 def _typed(value: Any, kind: type | tuple[type, ...], where: str, optional: bool = True) -> Any:
@@ -172,6 +186,7 @@ def _envelope(body: Any) -> tuple[dict, Parsed]:
         raise InvalidResponse("response has no choices")
     choice = _typed(choices[0], dict, "choices.0", optional=False)
     usage = _typed(body.get("usage"), dict, "usage") or {}
+    details = _typed(usage.get("completion_tokens_details"), dict, "usage.completion_tokens_details") or {}
     return choice, Parsed(
         text=None,
         tokens=None,
@@ -181,6 +196,10 @@ def _envelope(body: Any) -> tuple[dict, Parsed]:
         system_fingerprint=_typed(body.get("system_fingerprint"), str, "system_fingerprint"),
         model=_typed(body.get("model"), str, "model"),
         service_tier=_typed(body.get("service_tier"), str, "service_tier"),
+        reasoning_tokens=_typed(
+            details.get("reasoning_tokens"), int, "usage.completion_tokens_details.reasoning_tokens"
+        ),
+        provider=_typed(body.get("provider"), str, "provider"),
     )
 
 
@@ -240,22 +259,28 @@ def _plain_entry(item: Any) -> tuple[str, float, tuple[int, ...] | None, tuple] 
 
 @_guarded
 def parse_chat(body: Any) -> Parsed:
-    """A chat completion body."""
+    """A chat completion body: logprobs as OpenAI's ``content`` entries, or (Together, Fireworks) as the
+    legacy parallel lists."""
     choice, parsed = _envelope(body)
     message = _typed(choice.get("message"), dict, "choices.0.message") or {}
     text = _typed(message.get("content"), str, "choices.0.message.content")
     logprobs = _typed(choice.get("logprobs"), dict, "choices.0.logprobs") or {}
     content = _typed(logprobs.get("content"), list, "choices.0.logprobs.content")
     if content is None:
-        return replace(parsed, text=text)
-    ids = _token_ids(choice)
+        return replace(parsed, text=text, tokens=_legacy_tokens(logprobs, choice))
+    tokens = _entries(content, _token_ids(choice), "choices.0.logprobs.content")
+    return replace(parsed, text=text, tokens=tokens)
+
+
+def _entries(content: list, ids: list | None, at: str) -> list[TokenLogprob]:
+    """Logprob entries of OpenAI's shape (``token``, ``logprob``, ``bytes``, ``top_logprobs``)."""
     tokens = []
     for i, item in enumerate(content):
         if (plain := _plain_entry(item)) is not None:
             token, logprob, raw, top = plain
             tokens.append(TokenLogprob(token, logprob, _token_id(ids, i), raw, top))
             continue
-        where = f"choices.0.logprobs.content.{i}"
+        where = f"{at}.{i}"
         c = _typed(item, dict, where, optional=False)
         token = _typed(c.get("token"), str, f"{where}.token", optional=False)
         logprob = _logprob(c.get("logprob"), f"{where}.logprob")
@@ -277,7 +302,7 @@ def parse_chat(body: Any) -> Parsed:
                 top=tuple(top),
             )
         )
-    return replace(parsed, text=text, tokens=tokens)
+    return tokens
 
 
 @_guarded
@@ -286,10 +311,16 @@ def parse_completion(body: Any) -> Parsed:
     choice, parsed = _envelope(body)
     text = _typed(choice.get("text"), str, "choices.0.text")
     lp = _typed(choice.get("logprobs"), dict, "choices.0.logprobs") or {}
+    return replace(parsed, text=text, tokens=_legacy_tokens(lp, choice))
+
+
+def _legacy_tokens(lp: dict, choice: dict) -> list[TokenLogprob] | None:
+    """Logprobs as parallel lists (``tokens``, ``token_logprobs``, ``top_logprobs`` of {token: logprob}
+    maps); None when there are none."""
     where = "choices.0.logprobs"
     toks = _typed(lp.get("tokens"), list, f"{where}.tokens")
     if toks is None:
-        return replace(parsed, text=text)
+        return None
     values = _typed(lp.get("token_logprobs"), list, f"{where}.token_logprobs", optional=False)
     tops = _typed(lp.get("top_logprobs"), list, f"{where}.top_logprobs") or [None] * len(toks)
     if not len(toks) == len(values) == len(tops):
@@ -304,34 +335,98 @@ def parse_completion(body: Any) -> Parsed:
             alt = _typed(alt, str, f"{where}.top_logprobs.{i}", optional=False)  # the key is the token
             top.append((alt, _logprob(v, f"{where}.top_logprobs.{i}.{alt[:32]!r}")))
         tokens.append(TokenLogprob(token=token, logprob=logprob, token_id=_token_id(ids, i), top=tuple(top)))
-    return replace(parsed, text=text, tokens=tokens)
+    return tokens
 
 
 def request_hash(body: dict) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def request_body(model: str, canary: Canary) -> dict:
-    """Every sampling parameter, explicit (servers otherwise fill defaults from files that can change)."""
+def request_body(model: str, canary: Canary, profile: RequestProfile = DEFAULT) -> dict:
+    """Every sampling parameter, explicit (servers otherwise fill defaults from files that can change),
+    as the backend's request profile shapes them (its ``extra_body`` is merged by the caller, last)."""
     d = canary.decoding
-    body: dict[str, Any] = {
-        "model": model,
-        "temperature": d.temperature,
-        "top_p": d.top_p,
-        "max_tokens": d.max_tokens,
-        "n": 1,
-        "presence_penalty": 0.0,
-        "frequency_penalty": 0.0,
-    }
+    chat = canary.messages is not None
+    body: dict[str, Any] = {"model": model, "temperature": d.temperature, "top_p": d.top_p}
+    if profile.token_param != "none":  # legacy completions know only max_tokens
+        body[profile.token_param if chat else "max_tokens"] = d.max_tokens + profile.reasoning_tokens
+    body |= {"n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0}
     if d.seed is not None:
         body["seed"] = d.seed
     if d.stop:
         body["stop"] = list(d.stop)
-    if canary.messages is not None:
+    k = min(d.top_logprobs, profile.top_logprobs)
+    if chat:
         body["messages"] = [m.model_dump() for m in canary.messages]
-        body["logprobs"] = True
-        body["top_logprobs"] = d.top_logprobs
+        if profile.logprobs != "off":
+            body["logprobs"] = True
+            body["top_logprobs"] = k
     else:
         body["prompt"] = canary.prompt
-        body["logprobs"] = d.top_logprobs
+        if profile.logprobs != "off":
+            body["logprobs"] = k
+    for key in profile.omit:
+        body.pop(key, None)
     return body
+
+
+def responses_body(model: str, canary: Canary, profile: RequestProfile = DEFAULT) -> dict:
+    """The canary as an OpenAI Responses API request: the messages as ``input``; logprobs come only
+    through ``include``. The API takes no seed, stop, penalties or n, so none is sent."""
+    d = canary.decoding
+    body: dict[str, Any] = {"model": model, "input": [m.model_dump() for m in canary.messages or ()]}
+    if profile.token_param != "none":  # OpenAI refuses max_output_tokens below 16
+        body["max_output_tokens"] = max(RESPONSES_MIN_OUTPUT, d.max_tokens + profile.reasoning_tokens)
+    body |= {"temperature": d.temperature, "top_p": d.top_p}
+    if profile.logprobs != "off":
+        body["top_logprobs"] = min(d.top_logprobs, profile.top_logprobs)
+        body["include"] = ["message.output_text.logprobs"]
+    for key in profile.omit:
+        body.pop(key, None)
+    return body
+
+
+RESPONSES_MIN_OUTPUT = 16
+
+
+@_guarded
+def parse_responses(body: Any) -> Parsed:
+    """A Responses API body: the ``output_text`` parts of its ``message`` items (reasoning items are
+    skipped), their logprobs (None when any part with text has none), and ``status`` as a finish reason."""
+    body = _typed(body, dict, "(body)", optional=False)
+    texts: list[str] = []
+    tokens: list[TokenLogprob] | None = []
+    for i, item in enumerate(_typed(body.get("output"), list, "output", optional=False)):
+        item = _typed(item, dict, f"output.{i}", optional=False)
+        if item.get("type") != "message":
+            continue
+        for j, part in enumerate(_typed(item.get("content"), list, f"output.{i}.content") or ()):
+            where = f"output.{i}.content.{j}"
+            part = _typed(part, dict, where, optional=False)
+            if part.get("type") != "output_text":
+                continue
+            texts.append(_typed(part.get("text"), str, f"{where}.text", optional=False))
+            entries = _typed(part.get("logprobs"), list, f"{where}.logprobs")
+            if not entries and texts[-1]:
+                tokens = None
+            elif tokens is not None:
+                tokens += _entries(entries or [], None, f"{where}.logprobs")
+    usage = _typed(body.get("usage"), dict, "usage") or {}
+    details = _typed(usage.get("output_tokens_details"), dict, "usage.output_tokens_details") or {}
+    status = _typed(body.get("status"), str, "status")
+    incomplete = _typed(body.get("incomplete_details"), dict, "incomplete_details") or {}
+    reason = _typed(incomplete.get("reason"), str, "incomplete_details.reason")
+    finish = {"completed": "stop", "incomplete": "length" if reason == "max_output_tokens" else reason}
+    return Parsed(
+        text="".join(texts) if texts else None,
+        tokens=tokens if texts else None,
+        finish_reason=finish.get(status or "", status),
+        prompt_tokens=_typed(usage.get("input_tokens"), int, "usage.input_tokens"),
+        completion_tokens=_typed(usage.get("output_tokens"), int, "usage.output_tokens"),
+        system_fingerprint=None,
+        model=_typed(body.get("model"), str, "model"),
+        service_tier=_typed(body.get("service_tier"), str, "service_tier"),
+        reasoning_tokens=_typed(
+            details.get("reasoning_tokens"), int, "usage.output_tokens_details.reasoning_tokens"
+        ),
+    )

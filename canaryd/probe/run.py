@@ -17,8 +17,10 @@ import structlog
 
 from canaryd import progress
 from canaryd.backends import Backend, BackendUnavailable, make_backend
+from canaryd.backends.profile import without_completions
 from canaryd.canaries import Canary, Suite, load_suites
 from canaryd.config import Config
+from canaryd.errors import InputError
 from canaryd.judge.compare import Comparison, Decision, Verdict, decide
 from canaryd.judge.stats import DetectorState
 from canaryd.observation import ErrorKind, Observation, storable, utcnow
@@ -56,12 +58,15 @@ class BackendRun:
 
 
 def plan(config: Config, suites: Sequence[Suite], only: str | None = None) -> dict[str, list[Canary]]:
-    """Which canaries each backend gets, following each suite's optional ``backends`` list."""
+    """Which canaries each backend gets, following each suite's optional ``backends`` list; a raw-prompt
+    canary planned for a backend without a completions endpoint is refused here (`InputError`)."""
     out: dict[str, list[Canary]] = {b.name: [] for b in config.backends if only in (None, b.name)}
     for ref, suite in zip(config.suites, suites, strict=True):
         for name in out:
             if ref.backends is None or name in ref.backends:
                 out[name].extend(suite.canaries)
+    if (why := without_completions(config, suites, only)) is not None:
+        raise InputError(why)
     return out
 
 

@@ -73,6 +73,8 @@ def storable_fields(fields: dict[str, str]) -> dict[str, str]:
 def too_large(obs: Observation, max_tokens: int | None) -> str | None:
     """``N tokens > max_tokens M`` when the answer is longer than the request allowed (None: it is not)."""
     count = len(obs.tokens) if obs.tokens else obs.completion_tokens
+    if not obs.tokens and count is not None and obs.reasoning_tokens:  # hidden reasoning is not the answer
+        count -= obs.reasoning_tokens
     if max_tokens is not None and count is not None and count > max_tokens:
         return f"{count} tokens > max_tokens {max_tokens}"
     return None

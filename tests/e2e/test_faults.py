@@ -48,6 +48,8 @@ retries = 1
 retry_backoff = "50ms"
 breaker_failures = 3
 breaker_cooldown = "1h"
+[backends.request]
+logprobs = "require"  # an answer without logprobs is an error (the default, "prefer", judges its text)
 """
 
 

@@ -21,6 +21,7 @@ CANARY = Canary(id="c", messages=[{"role": "user", "content": "hi"}], suite="s")
 MINIMAL = {
     "vllm": "base_url = 'http://127.0.0.1:9/v1'\nmodel = 'm'\n",
     "openai": "base_url = 'http://127.0.0.1:9/v1'\nmodel = 'm'\n",
+    "openai-responses": "base_url = 'http://127.0.0.1:9/v1'\nmodel = 'm'\n",
     "vllm-offline": "model = '/m'\n",
     "scripted": "",
 }
