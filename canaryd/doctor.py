@@ -29,6 +29,8 @@ from canaryd.errors import InputError
 
 PROMPT = "Say OK."
 MAX_TOKENS = 8  # answer tokens per request (a reasoning model's hidden tokens count within it)
+RESPONSES_MAX_TOKENS = 16  # the Responses API's smallest max_output_tokens
+RESPONSES = "openai-responses"  # the kind that speaks the Responses API (POST /responses)
 MAX_REQUESTS = 10
 PROMPT_TOKENS = 40  # bound on a one-line prompt's count: the chat template and a provider's own preamble
 # The sampling parameters canaryd sends with every canary, at a canary's usual values.
@@ -40,6 +42,8 @@ SAMPLING: dict[str, Any] = {
     "frequency_penalty": 0.0,
     "seed": 0,
 }
+# The Responses API takes no n, penalties or seed.
+RESPONSES_SAMPLING: dict[str, Any] = {"temperature": 0.0, "top_p": 1.0}
 # When one refusal names several parameters (Claude: "temperature and top_p cannot both be specified"),
 # the one canaryd misses least goes first: top_p = 1 and the zero penalties are the defaults anyway.
 DROP_FIRST = ("top_p", "presence_penalty", "frequency_penalty", "n", "seed", "temperature")
@@ -67,9 +71,13 @@ class Unreachable(Exception):
     """The endpoint could not be asked (no connection, timeout, 429, 5xx): exit 3."""
 
 
-def estimate() -> dict[str, int]:
+def answer_tokens(kind: str) -> int:
+    return RESPONSES_MAX_TOKENS if kind == RESPONSES else MAX_TOKENS
+
+
+def estimate(kind: str = "openai") -> dict[str, int]:
     """The most `discover` can spend: every request at its token bound."""
-    return {"requests": MAX_REQUESTS, "tokens": MAX_REQUESTS * (PROMPT_TOKENS + MAX_TOKENS)}
+    return {"requests": MAX_REQUESTS, "tokens": MAX_REQUESTS * (PROMPT_TOKENS + answer_tokens(kind))}
 
 
 @dataclass
@@ -99,6 +107,7 @@ class Findings:
     reasoning_effort: bool | None = None  # None: not tried (not a reasoning model)
     seed_alias: str | None = None
     model: str | None = None
+    responses: bool = False  # asked through the Responses API
     evidence: dict[str, str] = field(default_factory=dict)
     requests: int = 0
     tokens: int = 0
@@ -135,6 +144,12 @@ class Doctor:
         self.cfg = settings
         self.prober = Prober(settings)
         self.found = Findings()
+        self.responses = settings.kind == RESPONSES
+        self.path = "/responses" if self.responses else "/chat/completions"
+        self.sampling = RESPONSES_SAMPLING if self.responses else SAMPLING
+        self.found.responses = self.responses
+        if self.responses:
+            self.found.token_param = "max_output_tokens"
 
     def close(self) -> None:
         self.prober.close()
@@ -172,7 +187,17 @@ class Doctor:
             self.found.tokens += _spent(doc)
         return reply
 
+    def ask(self, **extra: Any) -> Reply:
+        return self.send(self.path, self.body(**extra))
+
     def body(self, **extra: Any) -> dict:
+        if self.responses:
+            return {
+                "model": self.cfg.model,
+                "input": PROMPT,
+                "max_output_tokens": RESPONSES_MAX_TOKENS,
+                **extra,
+            }
         return {
             "model": self.cfg.model,
             "messages": [{"role": "user", "content": PROMPT}],
@@ -191,13 +216,18 @@ class Doctor:
             f.evidence["reasoning"] = f"plain answer: reasoning_tokens {f.reasoning_tokens}"
             self._sampling()
             self._logprobs()
-            self._completions()
+            if self.responses:
+                f.evidence["completions"] = "not asked: the Responses API has no raw-prompt endpoint"
+            else:
+                self._completions()
             if f.reasoning:
-                r = self.send("/chat/completions", self.body(reasoning_effort="low"))
+                r = self.ask(
+                    **{"reasoning": {"effort": "low"}} if self.responses else {"reasoning_effort": "low"}
+                )
                 f.reasoning_effort = r.ok
                 f.evidence["reasoning_effort"] = _verdict(r)
             if "seed" in f.refused:
-                r = self.send("/chat/completions", self.body(**{ALIASES["seed"]: 0}))
+                r = self.ask(**{ALIASES["seed"]: 0})
                 f.seed_alias = ALIASES["seed"] if r.ok else None
                 f.evidence["seed_alias"] = f"{ALIASES['seed']}: {_verdict(r)}"
         except _Spent:
@@ -206,14 +236,14 @@ class Doctor:
 
     def _plain(self) -> Reply:
         """The plain request: with ``max_tokens``, else (when refused by name) ``max_completion_tokens``."""
-        r = self.send("/chat/completions", self.body())
-        if not r.ok and named(r, ("max_tokens",)):
+        r = self.ask()
+        if not r.ok and not self.responses and named(r, ("max_tokens",)):
             self.found.evidence["token_param"] = f"max_tokens: {_verdict(r)}"
             self.found.token_param = "max_completion_tokens"
-            r = self.send("/chat/completions", self.body())
+            r = self.ask()
         if not r.ok:
             raise InputError(
-                f"backend {self.cfg.name!r}: {self.cfg.base_url}/chat/completions refused a plain request "
+                f"backend {self.cfg.name!r}: {self.cfg.base_url}{self.path} refused a plain request "
                 f"(HTTP {r.status}: {_said(r)}): check base_url, model and the API key"
             )
         self.found.evidence.setdefault("token_param", f"{self.found.token_param}: accepted")
@@ -223,8 +253,8 @@ class Doctor:
         """canaryd's sampling parameters together; each refusal names one, which is dropped."""
         f = self.found
         while True:
-            left = [p for p in SAMPLING if p not in f.refused]
-            r = self.send("/chat/completions", self.body(**{p: SAMPLING[p] for p in left}))
+            left = [p for p in self.sampling if p not in f.refused]
+            r = self.ask(**{p: self.sampling[p] for p in left})
             if r.ok:
                 f.evidence["sampling"] = f"accepted: {', '.join(left)}"
                 return
@@ -238,14 +268,20 @@ class Doctor:
 
     def _logprobs(self) -> None:
         f = self.found
-        kept = {p: v for p, v in SAMPLING.items() if p not in f.refused}
-        r = self.send("/chat/completions", self.body(**kept, logprobs=True, top_logprobs=20))
+        kept = {p: v for p, v in self.sampling.items() if p not in f.refused}
+        if self.responses:  # logprobs come back only when include asks for them
+            r = self.ask(**kept, include=["message.output_text.logprobs"], top_logprobs=20)
+        else:
+            r = self.ask(**kept, logprobs=True, top_logprobs=20)
         f.evidence["logprobs"] = _verdict(r)
         if not r.ok:
             f.logprobs = "refused"
             return
-        choice = (r.doc.get("choices") or [{}])[0] if isinstance(r.doc, dict) else {}
-        lp = choice.get("logprobs") if isinstance(choice, dict) else None
+        if self.responses:
+            lp = {"content": [e for part in _output_text(r.doc) for e in part.get("logprobs") or ()]}
+        else:
+            choice = (r.doc.get("choices") or [{}])[0] if isinstance(r.doc, dict) else {}
+            lp = choice.get("logprobs") if isinstance(choice, dict) else None
         if isinstance(lp, dict) and isinstance(lp.get("content"), list) and lp["content"]:
             f.logprobs = "returned"
             f.top_logprobs = max(
@@ -288,19 +324,21 @@ def profile(f: Findings) -> dict[str, Any]:
     p: dict[str, Any] = {"logprobs": "require" if f.logprobs in ("returned", "legacy") else "off"}
     if p["logprobs"] == "require":
         p["top_logprobs"] = f.top_logprobs
-    p["token_param"] = f.token_param
+    if not f.responses:
+        p["token_param"] = f.token_param
     if f.refused:
         p["omit"] = sorted(f.refused)
     extra: dict[str, Any] = {}
-    if f.reasoning_effort:
-        extra["reasoning_effort"] = "low"  # pinned: a provider's default effort can change under you
+    if f.reasoning_effort:  # pinned: a provider's default effort can change under you
+        extra.update({"reasoning": {"effort": "low"}} if f.responses else {"reasoning_effort": "low"})
     if f.seed_alias:
         extra[f.seed_alias] = SAMPLING["seed"]
     if extra:
         p["extra_body"] = extra
     if f.reasoning:
         p["reasoning_tokens"] = REASONING_BUDGET
-    p["completions"] = f.completions
+    if not f.responses:  # the Responses kind decides itself where a raw prompt goes
+        p["completions"] = f.completions
     return p
 
 
@@ -422,7 +460,18 @@ def _spent(doc: Any) -> int:
 
 
 def _reasoning(doc: Any) -> int | None:
+    """``reasoning_tokens`` of a chat answer's (or a Responses answer's) usage details."""
     usage = doc.get("usage") if isinstance(doc, dict) else None
-    details = usage.get("completion_tokens_details") if isinstance(usage, dict) else None
+    usage = usage if isinstance(usage, dict) else {}
+    details = usage.get("completion_tokens_details") or usage.get("output_tokens_details")
     n = details.get("reasoning_tokens") if isinstance(details, dict) else None
     return n if isinstance(n, int) and not isinstance(n, bool) else None
+
+
+def _output_text(doc: Any) -> list[dict]:
+    """The ``output_text`` parts of a Responses API answer."""
+    items = doc.get("output") if isinstance(doc, dict) else None
+    parts = [
+        c for i in items or () if isinstance(i, dict) for c in i.get("content") or () if isinstance(c, dict)
+    ]
+    return [p for p in parts if p.get("type") == "output_text"]

@@ -27,10 +27,11 @@ def doctor(
 
     cfg = load(ctx)
     settings = cfg.backend(backend)
-    bound = doc.estimate()
+    bound = doc.estimate(settings.kind)
     # Before anything is sent: on stderr under --json, so that stdout stays one JSON document.
+    each = doc.answer_tokens(settings.kind)
     ahead = (
-        f"doctor: asking {backend!r} at most {bound['requests']} requests of at most {doc.MAX_TOKENS} answer "
+        f"doctor: asking {backend!r} at most {bound['requests']} requests of at most {each} answer "
         f"tokens each: at most {bound['tokens']} tokens"
     )
     if as_json:
@@ -74,7 +75,10 @@ def doctor(
 
 
 def _show(found) -> None:
+    from rich.markup import escape
     from rich.table import Table
+
+    from canaryd.report.tables import print_tables
 
     logprobs = {
         "returned": f"returned, top {found.top_logprobs}",
@@ -105,6 +109,6 @@ def _show(found) -> None:
     if "stopped" in found.evidence:
         rows.append(("(stopped)", "", "stopped"))
     table = Table("question", "finding", "evidence")
-    for question, finding, key in rows:
-        table.add_row(question, finding, found.evidence.get(key, ""))
-    console().print(table, highlight=False)
+    for question, finding, key in rows:  # a provider's message is text, never rich markup
+        table.add_row(escape(question), escape(finding), escape(found.evidence.get(key, "")))
+    print_tables(console(), table)

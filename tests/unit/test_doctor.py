@@ -279,3 +279,26 @@ def test_refusals_name_the_parameter_in_each_provider_envelope() -> None:
     claude = {"error": {"message": "`temperature` and `top_p` cannot both be specified for this model."}}
     assert doctor.named(reply(claude), params) == ["temperature", "top_p"]
     assert doctor.named(reply({"error": {"message": "top_logprobs must be <= 5"}}), ("logprobs",)) == []
+
+
+def test_the_responses_api_is_asked_through_responses(
+    replay: Replay, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A backend of the Responses kind (its settings are the HTTP kinds' own) is asked on POST /responses,
+    with logprobs through ``include`` and the API's smallest ``max_output_tokens``."""
+    from canaryd.backends.openai_compat import Settings
+
+    monkeypatch.setenv("REPLAY_KEY", KEY)
+    settings = Settings(
+        name="r", base_url=replay.base("openai-responses"), model="m", api_key_env="REPLAY_KEY"
+    )
+    settings = settings.model_copy(update={"kind": doctor.RESPONSES})  # the kind lands on another branch
+    before = len(replay.got("openai-responses"))
+    found = doctor.discover(settings)
+    assert (found.logprobs, found.top_logprobs, found.refused) == ("returned", 20, [])
+    assert doctor.profile(found) == {"logprobs": "require", "top_logprobs": 20}
+    sent = replay.got("openai-responses")[before:]
+    assert {g.path for g in sent} == {"/responses"} and len(sent) == found.requests == 3
+    assert {g.body["max_output_tokens"] for g in sent} == {doctor.RESPONSES_MAX_TOKENS}
+    assert sent[-1].body["include"] == ["message.output_text.logprobs"]
+    assert 0 < found.tokens <= doctor.estimate(doctor.RESPONSES)["tokens"]
