@@ -158,6 +158,7 @@ class Doctor:
         import httpx2
 
         from canaryd.backends import openai_compat, transport
+        from canaryd.backends import openai_wire as wire
 
         if self.found.requests >= MAX_REQUESTS:
             raise _Spent
@@ -177,8 +178,8 @@ class Doctor:
             raise Unreachable(f"backend {self.cfg.name!r}: {url}: {why}") from None
         text = self.prober.redact(r.text)
         try:
-            doc = json.loads(text)
-        except ValueError:
+            doc = wire.parse_json(text)
+        except wire.InvalidResponse:
             doc = None
         reply = Reply(r.status, doc, text)
         if r.status == 429 or r.status >= 500:
@@ -209,8 +210,8 @@ class Doctor:
         f = self.found
         try:
             plain = self._plain()
-            f.model = plain.doc.get("model") if isinstance(plain.doc, dict) else None
-            f.fingerprint = plain.doc.get("system_fingerprint") if isinstance(plain.doc, dict) else None
+            answer = plain.doc if isinstance(plain.doc, dict) else {}
+            f.model, f.fingerprint = _text(answer.get("model")), _text(answer.get("system_fingerprint"))
             f.reasoning_tokens = _reasoning(plain.doc)
             f.evidence["fingerprint"] = f"plain answer: system_fingerprint {f.fingerprint!r}"
             f.evidence["reasoning"] = f"plain answer: reasoning_tokens {f.reasoning_tokens}"
@@ -278,19 +279,21 @@ class Doctor:
             f.logprobs = "refused"
             return
         if self.responses:
-            lp = {"content": [e for part in _output_text(r.doc) for e in part.get("logprobs") or ()]}
+            parts = [p.get("logprobs") for p in _output_text(r.doc)]
+            lp = {"content": [e for part in parts if isinstance(part, list) for e in part]}
         else:
-            choice = (r.doc.get("choices") or [{}])[0] if isinstance(r.doc, dict) else {}
+            choices = r.doc.get("choices") if isinstance(r.doc, dict) else None
+            choice = choices[0] if isinstance(choices, list) and choices else None
             lp = choice.get("logprobs") if isinstance(choice, dict) else None
         if isinstance(lp, dict) and isinstance(lp.get("content"), list) and lp["content"]:
             f.logprobs = "returned"
             f.top_logprobs = max(
-                len(e.get("top_logprobs") or ()) for e in lp["content"] if isinstance(e, dict)
+                (_count(e.get("top_logprobs")) for e in lp["content"] if isinstance(e, dict)), default=0
             )
         elif isinstance(lp, dict) and isinstance(lp.get("tokens"), list) and lp["tokens"]:
             f.logprobs = "legacy"  # Together, Fireworks: parallel lists inside a chat answer
             tops = lp.get("top_logprobs")
-            f.top_logprobs = max((len(t) for t in tops if isinstance(t, dict)), default=0) if tops else 0
+            f.top_logprobs = max(map(_count, tops), default=0) if isinstance(tops, list) else 0
         else:
             f.logprobs = "ignored"
         f.top_logprobs = min(f.top_logprobs, 20)
@@ -475,3 +478,12 @@ def _output_text(doc: Any) -> list[dict]:
         c for i in items or () if isinstance(i, dict) for c in i.get("content") or () if isinstance(c, dict)
     ]
     return [p for p in parts if p.get("type") == "output_text"]
+
+
+def _count(alternatives: Any) -> int:
+    """How many top-k alternatives an entry holds (a list, or the legacy token → logprob map)."""
+    return len(alternatives) if isinstance(alternatives, list | dict) else 0
+
+
+def _text(value: Any) -> str | None:
+    return None if value is None else str(value)[:200]

@@ -302,3 +302,24 @@ def test_the_responses_api_is_asked_through_responses(
     assert {g.body["max_output_tokens"] for g in sent} == {doctor.RESPONSES_MAX_TOKENS}
     assert sent[-1].body["include"] == ["message.output_text.logprobs"]
     assert 0 < found.tokens <= doctor.estimate(doctor.RESPONSES)["tokens"]
+
+
+@pytest.mark.parametrize("mode", ["503", "429", "hang", "cut"])
+def test_a_failing_endpoint_is_unreachable(mode: str, folder: Path) -> None:
+    from tests.unit.loopback import Loopback
+
+    with Loopback() as server:
+        path = config(folder, server.base(mode))
+        path.write_text(path.read_text().replace("timeout_s = 10", "timeout_s = 1"))
+        with pytest.raises(doctor.Unreachable, match=r"^backend 'cloud': http://127\.0\.0\.1:\d+/"):
+            doctor.discover(load_config(path).backend("cloud"))
+
+
+def test_a_body_that_is_not_json_is_read_as_nothing_returned(folder: Path) -> None:
+    from tests.unit.loopback import Loopback
+
+    with Loopback() as server:
+        path = config(folder, server.base("badjson"))
+        found = doctor.discover(load_config(path).backend("cloud"))
+    assert (found.logprobs, found.fingerprint, found.tokens) == ("ignored", None, 0)
+    assert doctor.profile(found)["logprobs"] == "off"
