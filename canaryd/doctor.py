@@ -101,9 +101,7 @@ class Findings:
     top_logprobs: int = 0  # alternatives returned per token (at most 20 asked)
     completions: bool = False
     fingerprint: str | None = None
-    reasoning_tokens: int | None = (
-        None  # usage.completion_tokens_details.reasoning_tokens of the plain answer
-    )
+    reasoning_tokens: int | None = None  # in the plain answer's usage details
     reasoning_effort: bool | None = None  # None: not tried (not a reasoning model)
     seed_alias: str | None = None
     model: str | None = None
@@ -130,8 +128,9 @@ def named(reply: Reply, candidates: tuple[str, ...] | list[str]) -> list[str]:
     locs = re.findall(r'"loc":\s*\[[^\]]*?"([A-Za-z_]+)"\s*\]', reply.text)
     if hits := [p for p in candidates if p in locs]:
         return hits
+    message = _said(reply, limit=None)  # the message only: a body's other fields are not its words
     camel = {p: re.sub(r"_([a-z])", lambda m: m.group(1).upper(), p) for p in candidates}
-    return [p for p in candidates if re.search(rf"\b({p}|{camel[p]})\b", reply.text)]
+    return [p for p in candidates if re.search(rf"\b({p}|{camel[p]})\b", message)]
 
 
 class Doctor:
@@ -436,15 +435,15 @@ def insert_profile(path: Path, backend: str, block: str, p: dict[str, Any]) -> N
 
 
 # -- reading replies --------------------------------------------------------------------------------------
-def _said(r: Reply) -> str:
-    """An error reply's message on one line, short."""
+def _said(r: Reply, limit: int | None = 160) -> str:
+    """An error reply's message on one line (cut to ``limit`` characters)."""
     doc = r.doc[0] if isinstance(r.doc, list) and r.doc else r.doc
     msg: Any = None
     if isinstance(doc, dict):
         err = doc.get("error", doc)
         msg = err.get("message") if isinstance(err, dict) else err
     text = msg if isinstance(msg, str) and msg else r.text or "(empty body)"
-    return " ".join(text.split())[:160]
+    return " ".join(text.split())[:limit]
 
 
 def _verdict(r: Reply) -> str:
