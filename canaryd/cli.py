@@ -29,6 +29,7 @@ from canaryd.commands import (
     baseline,
     console,
     db,
+    doctor,
     emit,
     hoist_global_options,
     load,
@@ -467,6 +468,7 @@ app.add_typer(baseline.app, name="baseline")
 app.add_typer(db.app, name="db")
 app.add_typer(ops.app, name="ops")
 app.command("report")(report.report)
+app.command("doctor")(doctor.doctor)
 
 
 def _configure_logging(level: str) -> None:
