@@ -7,6 +7,7 @@ budget is skipped (the spend counted from the store survives a restart), and ``c
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime
 
 import pytest
 
@@ -14,6 +15,7 @@ from canaryd.config import load_config
 from canaryd.daemon.service import Daemon
 from canaryd.errors import EXIT_UNAVAILABLE, EXIT_USAGE
 from canaryd.observation import ErrorKind
+from canaryd.probe import budget
 from tests.unit.scripted_lab import ScriptedLab, change, free_port, scripted
 from tests.unit.test_scripted_daemon import IDS, passes, value, wait, write
 
@@ -158,3 +160,19 @@ def test_a_pass_past_the_daily_budget_is_skipped_and_the_spend_survives_a_restar
         assert lb.cli("check").returncode == 0
     finally:
         lb.close()
+
+
+def test_a_pass_is_estimated_from_the_days_mean_or_before_it_from_the_canaries(lab):
+    lb = lab(scripted(budget_tokens_per_day=100))
+    canaries = lb.canaries()  # 3 canaries, one request each
+    fresh = budget.cost(canaries, (0, 0))
+    assert fresh[1] == 3 and fresh[0] == sum(budget.tokens_of(c) for c in canaries)
+    assert budget.tokens_of(canaries[0]) == -(-len(canaries[0].messages[0].content) // 4) + 16
+    assert budget.cost(canaries, (100, 8)) == (38, 3)  # 12.5 tokens a request today, rounded up
+    settings = lb.config.backend("fake")
+    assert budget.refusal(settings, (60, 8), (38, 3)) is None
+    assert budget.refusal(settings, (70, 8), (38, 3)) == (
+        "backend 'fake': budget_tokens_per_day = 100: 70 tokens spent today (UTC), this pass would take "
+        "about 38 more"
+    )
+    assert budget.day_start(datetime(2026, 12, 4, 23, 59, tzinfo=UTC)) == datetime(2026, 12, 4, tzinfo=UTC)
