@@ -455,6 +455,7 @@ class Metrics:
             )
         )
         self.budget_skips.labels(b)
+        self.config_errors.labels(b)  # 0 until the daemon counts a refusal (`set_config_errors`)
         for res in run.results:
             obs, cmp = res.observation, res.comparison
             if obs.error_kind is stopped:
