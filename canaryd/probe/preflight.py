@@ -1,8 +1,9 @@
 """The gate around a probe pass: ``check`` (with or without ``--pin``), ``pin`` and ``preflight``.
 
 A pass's exit code is the gate: a request refused as configured (2: fix the profile) beats unreachable (3)
-beats drift (1) beats identical (0); against a pin, a pinned
-field that moved or a pinned backend that could not be confirmed fails an otherwise clean pass (1).
+beats drift (1) beats identical (0); against a pin, a pinned field that moved or a pinned backend that
+could not be confirmed fails an otherwise clean pass (1). A pass past a backend's daily budget is not sent
+(`refuse_over_budget`, exit 3).
 ``preflight`` runs that gate, starts the benchmark command only when it passes, probes again afterwards
 and writes the reproducibility record (``canaryd.report.record``) beside the command's output.
 
@@ -172,8 +173,9 @@ class PinTaken:
 def take_pin(config: Config, backend: str | None = None) -> PinTaken:
     """Probe once and pin each backend's stack; its observations are kept in the store as the evidence."""
     checked = PassCheck(tuple(run_pass(config, only=backend)))
-    if gate(checked.results) in (EXIT_UNAVAILABLE, EXIT_USAGE):
-        return PinTaken(None, checked.first_error)
+    if gate(checked.results) in (EXIT_UNAVAILABLE, EXIT_USAGE):  # a refusal first: it decides the exit
+        refused = (r.observation for r in checked.results if r.observation.error_kind is ErrorKind.CONFIG)
+        return PinTaken(None, next(refused, checked.first_error))
     runs = {r.observation.backend: r.run_id for r in checked.results}
     pinned = Pin(
         created=_now(),
