@@ -4,8 +4,10 @@ Exit codes (also in ``canaryd --help`` and the README):
 
 0  every canary identical to its baseline (or a new baseline was recorded)
 1  drift: a regression, answer drift, logprob drift or stack change
-2  bad config, canary file or usage (also a metrics address in use, an unusable state_dir or storage.url)
-3  a backend was unreachable or failing, so it could not be judged
+2  bad config, canary file or usage (also a metrics address in use, an unusable state_dir or storage.url),
+   or a backend refused a request as configured (an unsupported parameter or value: one line names the
+   backend, the parameter and the request-profile key that fixes it)
+3  a backend was unreachable or failing, or its daily budget is spent, so it could not be judged
 4  internal or storage error (a bug or a broken database: see the log)
 
 ``preflight`` exits 1 or 3 as ``check --pin`` would, without running its command; once the canaries pass,
@@ -39,12 +41,21 @@ from canaryd.commands import (
     show_progress,
     store_of,
 )
-from canaryd.errors import EXIT_DRIFT, EXIT_INTERNAL, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, InputError
+from canaryd.errors import (
+    EXIT_DRIFT,
+    EXIT_INTERNAL,
+    EXIT_OK,
+    EXIT_UNAVAILABLE,
+    EXIT_USAGE,
+    BudgetSpent,
+    InputError,
+)
 
 # Plain help (no rich markup): every bracket and default shows as written, and rich stays unimported.
 app = typer.Typer(
     help="Known-answer canaries for LLM serving stacks.\n\n"
-    "Exit codes: 0 identical, 1 drift, 2 bad config/usage, 3 backend unreachable, 4 internal error.",
+    "Exit codes: 0 identical, 1 drift, 2 bad config/usage or a request refused as configured, "
+    "3 backend unreachable or over budget, 4 internal error.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -96,7 +107,7 @@ def check(
         typer.Option(help="Also fail (exit 1) when a field pinned in this file moved or is gone."),
     ] = None,
 ) -> None:
-    """Probe, compare with the baselines, and exit 0/1/3 (the gate for CI and benchmark sessions)."""
+    """Probe, compare with the baselines, and exit 0/1/2/3 (the gate for CI and benchmark sessions)."""
     from canaryd.progress import shown
     from canaryd.report.pin import load_pin
 
@@ -117,7 +128,8 @@ def probe(
     backend: Annotated[str | None, typer.Option(help="Only this backend.")] = None,
     as_json: JsonFlag = False,
 ) -> None:
-    """Send every canary through every backend and record the observations (exit 3 if one was down)."""
+    """Send every canary through every backend and record the observations (exit 3 if one was down, 2 if
+    one refused a request as configured)."""
     from canaryd.progress import shown
 
     with shown("probing", "canaries", enabled=show_progress(as_json)):
@@ -126,7 +138,7 @@ def probe(
         passed = checked_pass(load(ctx), backend)
     from canaryd.report.console import show_pass
 
-    code = EXIT_UNAVAILABLE if passed.exit_code == EXIT_UNAVAILABLE else EXIT_OK
+    code = passed.exit_code if passed.exit_code in (EXIT_USAGE, EXIT_UNAVAILABLE) else EXIT_OK
     show_pass(passed, as_json, console(), exit_code=code)
     raise typer.Exit(code)
 
@@ -409,12 +421,15 @@ def history(
     limit: Annotated[int, typer.Option(min=1, max=100000, help="At most this many.")] = 50,
     as_json: JsonFlag = False,
 ) -> None:
-    """Stored observations, newest first."""
+    """Stored observations, newest first, with the tokens each cost and each backend's spend today."""
+    from canaryd.probe.budget import day_start
     from canaryd.report.console import show_history
 
     with reader_of(load(ctx)) as store:
         rows = store.observations(backend=backend, canary_id=canary, limit=limit)
-    show_history(rows, as_json, console())
+        names = dict.fromkeys(r.backend for r in rows)
+        spent = {b: store.spend(b, day_start()) for b in names}
+    show_history(rows, as_json, console(), spent)
 
 
 @app.command()
@@ -491,6 +506,8 @@ def main(argv: list[str] | None = None) -> None:
         app(args, prog_name="canaryd")  # usage errors exit 2 and typer.Exit(code) exits with code
     except InputError as e:
         _fail(EXIT_USAGE, "canaryd: error", str(e), as_json)
+    except BudgetSpent as e:
+        _fail(EXIT_UNAVAILABLE, "canaryd: over budget", str(e), as_json)
     except KeyboardInterrupt:
         sys.exit(130)
     except Exception as e:  # the last line of defence: one line, no traceback unless debugging

@@ -15,6 +15,10 @@ class InputError(Exception):
     """Bad config, canary file or argument: exit code 2. The message names the file and the field."""
 
 
+class BudgetSpent(Exception):
+    """A backend's daily budget would be passed, so it is not probed: exit code 3 (not judged today)."""
+
+
 def describe_validation_error(err: ValidationError, tags: Collection[str] = ()) -> str:
     """Pydantic's first error as ``field.path: message`` on one line.
 

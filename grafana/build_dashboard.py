@@ -733,6 +733,54 @@ def build_panels(ids: Ids) -> list[tuple[str, list]]:
             bool_mappings("alarm", "quiet", false_color="green", true_color="red"),
         ),
     ]
+    cost = [
+        series_panel(
+            ids,
+            "Tokens spent",
+            "Tokens the backends' answers reported (canaryd_backend_tokens_total: prompt + completion, "
+            "reasoning included), per scrape interval; a rise per pass is a provider raising reasoning "
+            "effort or a longer hidden prompt.",
+            "short",
+            12,
+            7,
+            [
+                query(
+                    "A",
+                    f"sum by (backend) (increase(canaryd_backend_tokens_total{{{BACKEND}}}[{RATE}]))",
+                    "{{backend}}",
+                )
+            ],
+            bars=True,
+        ),
+        series_panel(
+            ids,
+            "Refused as configured",
+            "Canaries each backend refused for a parameter or value it does not take "
+            "(canaryd_backend_config_errors): held back until the config is reloaded; a configuration "
+            "problem, not an outage (canaryd check names the fix).",
+            "short",
+            6,
+            7,
+            [query("A", f"max by (backend) (canaryd_backend_config_errors{{{BACKEND}}})", "{{backend}}")],
+        ),
+        series_panel(
+            ids,
+            "Passes over budget",
+            "Passes skipped because they would exceed the backend's daily token or request budget "
+            "(canaryd_backend_budget_skips_total), per scrape interval.",
+            "short",
+            6,
+            7,
+            [
+                query(
+                    "A",
+                    f"sum by (backend) (increase(canaryd_backend_budget_skips_total{{{BACKEND}}}[{RATE}]))",
+                    "{{backend}}",
+                )
+            ],
+            bars=True,
+        ),
+    ]
     return [
         ("Fleet overview", fleet),
         ("Verdicts", verdicts),
@@ -740,6 +788,7 @@ def build_panels(ids: Ids) -> list[tuple[str, list]]:
         ("Calibrated evidence", evidence),
         ("Probes", probes),
         ("Serving stack", stack),
+        ("Cost and configuration", cost),
         ("canaryd", process),
     ]
 

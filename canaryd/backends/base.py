@@ -54,6 +54,10 @@ class BackendSettings(Strict):
     retry_max_wait: Duration = 30.0
     breaker_failures: Annotated[int, Field(ge=1, le=1000)] = 5
     breaker_cooldown: Duration = 60.0
+    # What the backend may be sent per UTC day (counted from the store, so a restart does not reset it):
+    # the daemon skips a pass that would go past either, and ``check`` refuses (exit 3). None: no limit.
+    budget_tokens_per_day: Annotated[int, Field(ge=1)] | None = None
+    budget_requests_per_day: Annotated[int, Field(ge=1)] | None = None
 
 
 class HttpSettings(BackendSettings):

@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from canaryd import __version__
 from canaryd.backends import openai_wire as wire
+from canaryd.backends import refusals
 from canaryd.backends.base import BackendUnavailable, HttpSettings
 from canaryd.backends.profile import DEFAULT, RequestProfile
 from canaryd.canaries import Canary
@@ -162,8 +163,8 @@ class Prober:
             obs.latency_s = time.perf_counter() - t0
             obs.headers = wire.kept_headers(reply.headers.items())
             if not 200 <= reply.status < 300:
-                obs.error_kind = status_kind(reply.status)
-                obs.error = storable(self.redact(f"HTTP {reply.status}: {_message(reply)[:300]}"))
+                obs.error_kind, message = refusals.classify(reply.status, reply.text, self.name)
+                obs.error = storable(self.redact(message))
                 return obs
             r = parse(wire.parse_json(reply.body))
             obs.text, obs.system_fingerprint, obs.response_model = r.text, r.system_fingerprint, r.model
@@ -249,14 +250,6 @@ def wire_body(body: dict) -> bytes:
     return json.dumps(ordered, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")
 
 
-def status_kind(status: int) -> ErrorKind:
-    if status == 429:
-        return ErrorKind.RATE_LIMITED
-    if status in (401, 403):
-        return ErrorKind.AUTH
-    return ErrorKind.HTTP_5XX if status >= 500 else ErrorKind.HTTP_4XX
-
-
 def transport_kind(e: httpx2.TransportError) -> ErrorKind:
     """A failure to get a whole answer: a timeout, a connection cut mid-answer, or no connection at all."""
     if isinstance(e, httpx2.TimeoutException):
@@ -264,21 +257,6 @@ def transport_kind(e: httpx2.TransportError) -> ErrorKind:
     if isinstance(e, httpx2.RemoteProtocolError | httpx2.ReadError):
         return ErrorKind.TRUNCATED
     return ErrorKind.CONNECT
-
-
-def _message(reply: transport.Reply) -> str:
-    """What an error response says: its ``error.message`` (or ``error``, ``message``), else its text."""
-    text = reply.text.strip()
-    try:
-        doc = wire.parse_json(text)
-    except wire.InvalidResponse:
-        return text or "(empty body)"
-    if isinstance(doc, dict):
-        err = doc.get("error", doc)
-        msg = err.get("message") if isinstance(err, dict) else err
-        if isinstance(msg, str) and msg:
-            return msg
-    return text
 
 
 def _describe(e: Exception) -> str:

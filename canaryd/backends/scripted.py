@@ -22,6 +22,7 @@ every logprob of every attempt (a non-exact engine); ``distribution`` gives a sa
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 import threading
 import time
@@ -31,6 +32,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from canaryd.backends import openai_wire as wire
+from canaryd.backends import refusals
 from canaryd.backends.base import BackendSettings, BackendUnavailable
 from canaryd.canaries import Canary
 from canaryd.fields import Strict
@@ -53,6 +55,7 @@ class Change(Strict):
     stack: dict[str, str] = Field(default_factory=dict)  # snapshot fields, added or replaced
     prompt_tokens_delta: int = 0  # e.g. a hidden system prompt
     logprobs: bool | None = None  # False: answers carry no logprobs
+    refuse: Literal[refusals.PARAMS] | None = None  # an HTTP 400 unsupported_parameter on this parameter
     error: ErrorKind | None = None  # every attempt fails so ...
     fail_attempts: Annotated[int, Field(ge=0)] | None = None  # ... or only the first N of each probe
     down: bool = False  # the snapshot fails: the backend is unreachable
@@ -82,6 +85,13 @@ def _unit(*parts: object) -> float:
     """A stable number in [0, 1) from its parts (the same in every process, unlike ``hash``)."""
     digest = hashlib.sha256("\x1f".join(map(str, parts)).encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def _refusal(param: str) -> str:
+    """The body OpenAI answers a parameter a model does not take with (tests/fixtures/refusals/)."""
+    message = f"Unsupported parameter: '{param}' is not supported with this model."
+    error = {"message": message, "type": "invalid_request_error", "param": param}
+    return json.dumps({"error": {**error, "code": "unsupported_parameter"}})
 
 
 class Prober:
@@ -135,6 +145,9 @@ class Prober:
         time.sleep(self.cfg.latency_s)
         obs.latency_s = self.cfg.latency_s
         for change in active:
+            if change.refuse is not None:  # OpenAI's body for a refused parameter, classified as a real one
+                obs.error_kind, obs.error = refusals.classify(400, _refusal(change.refuse), self.name)
+                return obs
             if change.error is not None and (change.fail_attempts is None or n <= change.fail_attempts):
                 obs.error_kind, obs.error = change.error, f"scripted {change.error.value}"
                 if change.error is ErrorKind.RATE_LIMITED:

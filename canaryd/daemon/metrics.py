@@ -301,6 +301,28 @@ class Metrics:
             "1 if this daemon holds the backend's probing lease, 0 if another daemon does.",
             b,
         )
+        self.config_errors = self._new(
+            per_pass,
+            Gauge,
+            "canaryd_backend_config_errors",
+            "Canaries the backend refused as configured (an unsupported parameter or value): not sent "
+            "again until the config is reloaded.",
+            b,
+        )
+        self.tokens = self._new(
+            per_pass,
+            Counter,
+            "canaryd_backend_tokens",
+            "Tokens the backend's answers reported (prompt + completion; reasoning counts in completion).",
+            b,
+        )
+        self.budget_skips = self._new(
+            per_pass,
+            Counter,
+            "canaryd_backend_budget_skips",
+            "Passes of the backend skipped because they would exceed its daily token or request budget.",
+            b,
+        )
         self.registry.register(_PairCollector(self))
         self._per_backend = (
             self.duration,
@@ -315,6 +337,9 @@ class Metrics:
             self.e_cusum,
             self.alarm,
             self.lease_held,
+            self.config_errors,
+            self.tokens,
+            self.budget_skips,
         )
         self._backends: set[str] = set()
         self._stack_labels: dict[str, tuple[str, ...]] = {}
@@ -394,6 +419,11 @@ class Metrics:
         if changed:
             self.publish()
 
+    def set_config_errors(self, backend: str, refused: int) -> None:
+        """How many of the backend's canaries it refused as configured (and are not re-sent)."""
+        with self._lock:
+            self.config_errors.labels(backend).set(refused)
+
     def record_failed(
         self, backend: str, canary_ids: Iterable[str], reason: ErrorKind = ErrorKind.INTERNAL
     ) -> None:
@@ -418,6 +448,14 @@ class Metrics:
         if run.unavailable is None or run.unavailable.kind is not stopped:
             self.reachable.labels(b).set(0 if run.unavailable else 1)
         self.probes.labels(b)  # export 0 from the first pass, so increase() works
+        self.tokens.labels(b).inc(
+            sum(
+                (r.observation.prompt_tokens or 0) + (r.observation.completion_tokens or 0)
+                for r in run.results
+            )
+        )
+        self.budget_skips.labels(b)
+        self.config_errors.labels(b)  # 0 until the daemon counts a refusal (`set_config_errors`)
         for res in run.results:
             obs, cmp = res.observation, res.comparison
             if obs.error_kind is stopped:

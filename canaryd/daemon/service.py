@@ -39,13 +39,15 @@ from apscheduler.triggers.cron import CronTrigger
 from apscheduler.triggers.date import DateTrigger
 from apscheduler.triggers.interval import IntervalTrigger
 
-from canaryd.backends import Backend, make_backend
+from canaryd.backends import make_backend
 from canaryd.canaries import Canary, load_suites
 from canaryd.config import Config, ScheduleConfig, load_config
 from canaryd.daemon import sdnotify, signals
 from canaryd.daemon.httpserver import MetricsServer
 from canaryd.daemon.metrics import Metrics
+from canaryd.daemon.refused import Guarded
 from canaryd.errors import InputError
+from canaryd.probe.budget import over_budget
 from canaryd.probe.run import BackendRun, plan, probe_backend
 from canaryd.store import Store, lease_seconds, open_store
 
@@ -69,7 +71,7 @@ class Generation:
     """Everything built from one config: backends and each schedule's work. Replaced whole on reload."""
 
     config: Config
-    backends: dict[str, Backend]
+    backends: dict[str, Guarded]
     work: dict[str, dict[str, list[Canary]]]  # schedule -> backend -> canaries
     lease_s: dict[str, float]  # backend -> how long a pass's claim lasts (its most frequent schedule's)
     lead: dict[str, str]  # backend -> that schedule: the one a takeover pass runs
@@ -104,7 +106,8 @@ class Generation:
                 s = lease_seconds(sched.longest_gap_s, sched.jitter)
                 if s < lease_s.get(b, float("inf")):
                     lease_s[b], lead[b], gap_s[b] = s, sched.name, sched.longest_gap_s
-        backends = {b.name: make_backend(b, stopping) for b in config.backends}
+        # each backend holds back what it refused as configured until this generation is replaced (reload)
+        backends = {b.name: Guarded(make_backend(b, stopping)) for b in config.backends}
         return cls(config, backends, work, lease_s, lead, gap_s, interval_s)
 
     def work_pairs(self) -> dict[str, set[str]]:
@@ -255,7 +258,7 @@ class Daemon:
                 work = {b: cs for b, cs in work.items() if b == takeover}
             held = self._claim(gen, list(work)) if work else set()
             mine = self._choose(gen, schedule, held, takeover)
-            work = {b: canaries for b, canaries in work.items() if b in mine}
+            work = self._affordable(gen, schedule, {b: cs for b, cs in work.items() if b in mine})
             with ThreadPoolExecutor(max_workers=max(1, len(work)), thread_name_prefix="backend") as ex:
                 futures = {
                     b: ex.submit(self._probe, gen, schedule, b, canaries) for b, canaries in work.items()
@@ -265,6 +268,7 @@ class Daemon:
                 for b, f in futures.items():
                     try:
                         self.metrics.record(f.result())
+                        self.metrics.set_config_errors(b, len(gen.backends[b].refused))
                     except Exception:
                         log.exception("backend_pass_failed", backend=b)
                         ids = [i for c in work[b] for i in c.observed_ids()]
@@ -300,6 +304,25 @@ class Daemon:
                 self._taken.update(dict.fromkeys(chosen, now))
             self._busy |= chosen
         return chosen
+
+    def _affordable(
+        self, gen: Generation, schedule: str, work: dict[str, list[Canary]]
+    ) -> dict[str, list[Canary]]:
+        """The backends whose pass fits their daily budget; a skipped one is logged and counted (a budget
+        that cannot be read skips nothing: the store's failure shows elsewhere)."""
+        fits = {}
+        for b, canaries in work.items():
+            try:
+                why = over_budget(self.store, gen.config.backend(b), canaries)
+            except Exception:
+                log.exception("budget.read_failed", backend=b)
+                why = None
+            if why is None:
+                fits[b] = canaries
+            else:
+                log.warning("budget.skip", schedule=schedule, backend=b, reason=why)
+                self.metrics.budget_skips.labels(b).inc()
+        return fits
 
     def _probe(self, gen: Generation, schedule: str, backend: str, canaries: list[Canary]) -> BackendRun:
         """One backend's share of a pass, logged at its start and end with what it found."""
@@ -447,6 +470,8 @@ class Daemon:
             if getattr(config, what) != getattr(self.config, what):
                 log.warning("reload_needs_restart", setting=what)
         old, self.gen, self.config = self.gen, gen, config
+        for b in set(gen.backends) & {b for b, g in old.backends.items() if g.refused}:
+            self.metrics.set_config_errors(b, 0)  # the new generation re-sends what the old one held back
         self._install(gen)
         self.tenure.forget(set(old.work_pairs()) - set(gen.work_pairs()))
         old.retire()

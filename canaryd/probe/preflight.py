@@ -1,7 +1,9 @@
 """The gate around a probe pass: ``check`` (with or without ``--pin``), ``pin`` and ``preflight``.
 
-A pass's exit code is the gate: unreachable (3) beats drift (1) beats identical (0); against a pin, a pinned
-field that moved or a pinned backend that could not be confirmed fails an otherwise clean pass (1).
+A pass's exit code is the gate: a request refused as configured (2: fix the profile) beats unreachable (3)
+beats drift (1) beats identical (0); against a pin, a pinned field that moved or a pinned backend that
+could not be confirmed fails an otherwise clean pass (1). A pass past a backend's daily budget is not sent
+(`refuse_over_budget`, exit 3).
 ``preflight`` runs that gate, starts the benchmark command only when it passes, probes again afterwards
 and writes the reproducibility record (``canaryd.report.record``) beside the command's output.
 
@@ -18,11 +20,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from canaryd import __version__, files
+from canaryd.canaries import load_suites
 from canaryd.config import Config
-from canaryd.errors import EXIT_DRIFT, EXIT_OK, EXIT_UNAVAILABLE, InputError
+from canaryd.errors import EXIT_DRIFT, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, BudgetSpent, InputError
 from canaryd.judge.compare import Verdict
-from canaryd.observation import Observation
-from canaryd.probe.run import Result, run_pass
+from canaryd.observation import ErrorKind, Observation
+from canaryd.probe.budget import over_budget
+from canaryd.probe.run import Result, plan, run_pass
 from canaryd.report.pin import Pin, PinnedBackend, PinReport, check_pin
 from canaryd.report.record import build_record, summarize, to_markdown
 from canaryd.report.tables import result_dict
@@ -31,12 +35,21 @@ from canaryd.store import open_store
 
 
 def gate(results: Sequence[Result]) -> int:
-    """The exit code of a probe pass: unreachable beats drift beats identical."""
+    """The exit code of a probe pass: refused as configured beats unreachable beats drift beats identical."""
+    if config_errors(results):
+        return EXIT_USAGE
     if any(r.comparison.verdict is Verdict.ERROR for r in results):
         return EXIT_UNAVAILABLE
     if any(r.comparison.verdict.is_drift for r in results):
         return EXIT_DRIFT
     return EXIT_OK
+
+
+def config_errors(results: Sequence[Result]) -> list[str]:
+    """Each distinct refusal of a request as configured, in order: one line naming the backend, the
+    parameter and the profile key that fixes it (`canaryd.backends.refusals`)."""
+    lines = (r.observation.error for r in results if r.observation.error_kind is ErrorKind.CONFIG)
+    return list(dict.fromkeys(line for line in lines if line))
 
 
 def stacks_now(results: Sequence[Result]) -> dict[str, dict[str, str]]:
@@ -83,6 +96,10 @@ class PassCheck:
         return code
 
     @property
+    def config_errors(self) -> list[str]:
+        return config_errors(self.results)
+
+    @property
     def first_error(self) -> Observation | None:
         """The first observation that could not be judged (a backend down or failing)."""
         return next((r.observation for r in self.results if r.comparison.verdict is Verdict.ERROR), None)
@@ -90,6 +107,8 @@ class PassCheck:
     def as_dict(self) -> dict:
         """The ``check --json`` (and ``probe --json``) document."""
         doc: dict = {"exit_code": self.exit_code, "results": [result_dict(r) for r in self.results]}
+        if self.config_errors:
+            doc["config_errors"] = self.config_errors
         if self.pin is not None:
             doc["pin"] = self.pin.as_dict()
         return doc
@@ -98,12 +117,34 @@ class PassCheck:
 def checked_pass(
     config: Config, backend: str | None = None, pin: Pin | None = None, pin_path: Path | None = None
 ) -> PassCheck:
-    """Probe every (or one) backend once; with a pin, only the pinned backends, and check the pin."""
+    """Probe every (or one) backend once; with a pin, only the pinned backends, and check the pin. A backend
+    whose daily budget the pass would pass is not probed at all (`BudgetSpent`, exit 3)."""
+    refuse_over_budget(config, backend)
     if pin is None:
         return PassCheck(tuple(run_pass(config, only=backend)))
     if pin_path is None:
         raise ValueError("checked_pass: a pin comes with its path")
     return _pinned_pass(pinned_config(config, pin, pin_path, backend), backend, pin, pin_path)
+
+
+def refuse_over_budget(config: Config, only: str | None = None) -> None:
+    """Raise `BudgetSpent` when a pass would take a backend past its daily budget (before sending)."""
+    budgeted = [
+        b
+        for b in config.backends
+        if only in (None, b.name) and (b.budget_tokens_per_day or b.budget_requests_per_day)
+    ]
+    if not budgeted:
+        return
+    work = plan(config, load_suites([s.path for s in config.suites], config.limits.suite_bytes))
+    store = open_store(config)
+    try:
+        for b in budgeted:
+            why = over_budget(store, b, work[b.name])
+            if why is not None:
+                raise BudgetSpent(f"{why}; not probed")
+    finally:
+        store.close()
 
 
 def _pinned_pass(config: Config, backend: str | None, pin: Pin, pin_path: Path) -> PassCheck:
@@ -124,14 +165,17 @@ class PinTaken:
 
     @property
     def exit_code(self) -> int:
-        return EXIT_UNAVAILABLE if self.pin is None else EXIT_OK
+        if self.pin is not None:
+            return EXIT_OK
+        return EXIT_USAGE if self.failed and self.failed.error_kind is ErrorKind.CONFIG else EXIT_UNAVAILABLE
 
 
 def take_pin(config: Config, backend: str | None = None) -> PinTaken:
     """Probe once and pin each backend's stack; its observations are kept in the store as the evidence."""
     checked = PassCheck(tuple(run_pass(config, only=backend)))
-    if gate(checked.results) == EXIT_UNAVAILABLE:
-        return PinTaken(None, checked.first_error)
+    if gate(checked.results) in (EXIT_UNAVAILABLE, EXIT_USAGE):  # a refusal first: it decides the exit
+        refused = (r.observation for r in checked.results if r.observation.error_kind is ErrorKind.CONFIG)
+        return PinTaken(None, next(refused, checked.first_error))
     runs = {r.observation.backend: r.run_id for r in checked.results}
     pinned = Pin(
         created=_now(),

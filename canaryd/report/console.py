@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 
-from canaryd.errors import EXIT_OK, EXIT_UNAVAILABLE
+from canaryd.errors import EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE
 from canaryd.files import write_private
 from canaryd.report.tables import (
     calibration_table,
@@ -26,7 +26,9 @@ from canaryd.report.tables import (
     print_tables,
     results_table,
     scores_table,
+    spent_table,
     stack_changes_table,
+    tokens_spent,
 )
 from canaryd.stack import diff
 
@@ -60,8 +62,11 @@ def show_pass(check: PassCheck, as_json: bool, console: Console, exit_code: int 
         if pin.unreachable:
             verdict = f"cannot be confirmed ({', '.join(pin.unreachable)} unreachable)"
         console.print(f"pin {pin.path}: {verdict}", highlight=False, soft_wrap=True)
+    refused = check.config_errors
+    for line in refused:  # one line each: the backend, the parameter, the profile key that fixes it
+        _err(f"canaryd: config error: {line}")
     bad = check.first_error
-    if bad is not None:
+    if bad is not None and not refused:
         _err(f"canaryd: backend {bad.backend!r} canary {bad.canary_id!r}: {bad.error}")
 
 
@@ -90,11 +95,10 @@ def show_preflight(report: PreflightReport) -> None:
     The pass's tables were printed before the command started (`show_pass`)."""
     program = report.command[0]
     if report.refused:
-        why = (
-            "a backend was unreachable or failing"
-            if report.check.exit_code == EXIT_UNAVAILABLE
-            else "the stack or the canaries moved"
-        )
+        why = {
+            EXIT_UNAVAILABLE: "a backend was unreachable or failing",
+            EXIT_USAGE: "a backend refuses the request as configured",
+        }.get(report.check.exit_code, "the stack or the canaries moved")
         _err(f"canaryd: preflight: {why} (see above): not starting {program!r}")
         return
     if report.start_error is not None:
@@ -180,12 +184,22 @@ def show_diff(diffs: Sequence[PairDiff], exit_code: int, as_json: bool, console:
         console.print(line, highlight=False, soft_wrap=True)
 
 
-def show_history(rows: Sequence[StoredObservation], as_json: bool, console: Console) -> None:
-    """Stored observations, newest first: a table, or every column as JSON."""
+def show_history(
+    rows: Sequence[StoredObservation],
+    as_json: bool,
+    console: Console,
+    spent: dict[str, tuple[int, int]] | None = None,
+) -> None:
+    """Stored observations, newest first, with their tokens, and each backend's spend this UTC day: tables,
+    or every column as JSON."""
+    spent = spent or {}
     if as_json:
-        print(json.dumps({"exit_code": EXIT_OK, "observations": [r.as_dict() for r in rows]}, indent=2))
+        observations = [{**r.as_dict(), "tokens": tokens_spent(r)} for r in rows]
+        today = {b: {"tokens": t, "requests": n} for b, (t, n) in spent.items()}
+        doc = {"exit_code": EXIT_OK, "observations": observations, "spent_today": today}
+        print(json.dumps(doc, indent=2))
     else:
-        print_tables(console, history_table(rows))
+        print_tables(console, history_table(rows), spent_table(spent))
 
 
 def show_explain(doc: dict, as_json: bool) -> None:

@@ -107,6 +107,25 @@ def stack_changes_table(results: Sequence[Result]) -> Table | None:
     return t
 
 
+def tokens_spent(o: StoredObservation) -> int | None:
+    """Tokens the answer reported: prompt + completion (OpenAI counts reasoning within completion)."""
+    if o.prompt_tokens is None and o.completion_tokens is None:
+        return None
+    return (o.prompt_tokens or 0) + (o.completion_tokens or 0)
+
+
+def spent_table(spent: dict[str, tuple[int, int]]) -> Table | None:
+    """Each backend's spend so far this UTC day (what its daily budget counts)."""
+    if not spent:
+        return None
+    t = Table(title="spent today (UTC)", title_justify="left")
+    for col in ("backend", "tokens", "requests"):
+        t.add_column(col)
+    for b, (tokens, requests) in spent.items():
+        t.add_row(b, str(tokens), str(requests))
+    return t
+
+
 def history_table(rows: Sequence[StoredObservation]) -> Table:
     t = Table(title="history (newest first)", title_justify="left")
     for col in (
@@ -118,6 +137,7 @@ def history_table(rows: Sequence[StoredObservation]) -> Table:
         "canary",
         "verdict",
         "correct",
+        "tokens",
         "answer",
         "stack",
     ):
@@ -133,6 +153,7 @@ def history_table(rows: Sequence[StoredObservation]) -> Table:
             o.canary_id,
             f"[{Verdict(o.verdict).style}]{o.verdict}[/]",
             _tick(o.correct),
+            str(spent) if (spent := tokens_spent(o)) is not None else "-",
             (answer or "")[:60],
             o.stack_hash or "-",
         )

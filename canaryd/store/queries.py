@@ -12,8 +12,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import fields
 from datetime import datetime
 
+from sqlalchemy import and_, func, not_, or_, text
 from sqlalchemy import select as select_core
-from sqlalchemy import text
 from sqlmodel import Session, col, select
 
 from canaryd.observation import ErrorKind, Observation
@@ -241,3 +241,18 @@ class Queries(Connected):
             for b, h, t in s.exec(q.order_by(ObservationRow.id)):  # type: ignore[arg-type]
                 seen.setdefault((b, h), t)
             return [StackSeen(b, h, t, s.get(StackRow, h).fields) for (b, h), t in seen.items()]  # type: ignore[union-attr]
+
+    # -- cost -----------------------------------------------------------------------------------------
+    def spend(self, backend: str, since: datetime) -> tuple[int, int]:
+        """(tokens, requests) a backend was sent since ``since``, by every instance (a fleet shares one
+        budget). Tokens are prompt + completion: OpenAI counts reasoning tokens within completion_tokens.
+        What was never sent (``not sent: ...``, a down backend's missing canaries) is no request."""
+        o = ObservationRow.__table__.c  # type: ignore[attr-defined]
+        tokens = func.coalesce(
+            func.sum(func.coalesce(o.prompt_tokens, 0) + func.coalesce(o.completion_tokens, 0)), 0
+        )
+        sent = and_(o.request_hash != "", or_(o.error.is_(None), not_(o.error.like("not sent%"))))
+        q = select_core(tokens, func.count()).where(o.backend == backend, o.started_at >= since, sent)
+        with self._session() as s:
+            spent, requests = s.connection().execute(q).one()
+        return int(spent), int(requests)

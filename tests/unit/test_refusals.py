@@ -1,0 +1,124 @@
+"""`refusals.classify` on recorded provider error bodies (``tests/fixtures/refusals/``, each naming its
+source): a refused parameter or value is a ``config`` error naming the backend, the parameter and the fix;
+everything else keeps its kind by status. Then through the ``openai`` kind against a local HTTP server."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from canaryd.backends import openai_compat
+from canaryd.backends.refusals import classify
+from canaryd.canaries import load_suites
+from canaryd.observation import ErrorKind
+
+FIXTURES = Path(__file__).parent.parent / "fixtures" / "refusals"
+CASES = sorted(FIXTURES.glob("*.json"))
+
+
+def load(path: Path) -> dict:
+    doc = json.loads(path.read_text())
+    assert doc["_source"].strip(), path
+    return doc
+
+
+def test_every_family_the_issue_names_has_a_recorded_body():
+    names = {p.stem for p in CASES}
+    for family in ("openai", "azure", "groq", "mistral", "xai", "anthropic", "gemini"):
+        assert any(n.startswith(family) for n in names), family
+    assert sum(load(p)["expect"]["kind"] == "config" for p in CASES) >= 12
+
+
+@pytest.mark.parametrize("path", CASES, ids=[p.stem for p in CASES])
+def test_a_recorded_body_is_classified_as_its_fixture_says(path):
+    doc = load(path)
+    expect = doc["expect"]
+    kind, message = classify(doc["status"], json.dumps(doc["body"]), "o4")
+    assert kind is ErrorKind(expect["kind"]), message
+    assert "\n" not in message
+    if kind is ErrorKind.CONFIG:
+        assert message.startswith(f"backend 'o4': HTTP {doc['status']}"), message
+        assert f"refuses {expect['parameter']}" in message or f"of {expect['parameter']}" in message
+        assert expect["fix"] in message, message
+        if "preset" in expect:
+            assert f'preset = "{expect["preset"]}"' in message, message
+    else:
+        assert message.startswith(f"HTTP {doc['status']}: "), message
+        assert "the server refuses" not in message  # no fix offered for what no profile key fixes
+
+
+def test_the_message_of_the_issue():
+    doc = load(FIXTURES / "openai-max-tokens.json")
+    assert classify(400, json.dumps(doc["body"]), "o4") == (
+        ErrorKind.CONFIG,
+        "backend 'o4': HTTP 400 unsupported_parameter: the server refuses max_tokens; "
+        'set request.token_param = "max_completion_tokens" (or preset = "openai-reasoning")',
+    )
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "kind"),
+    [
+        (400, "", ErrorKind.HTTP_4XX),  # no body at all
+        (400, "<html>Bad Request</html>", ErrorKind.HTTP_4XX),
+        (403, '{"error": {"message": "Project does not have access to model o3"}}', ErrorKind.AUTH),
+        (401, '{"error": "not allowed to request logprobs"}', ErrorKind.AUTH),  # a 401 is never config
+        (400, '{"error": {"message": "temperature must be at most 2"}}', ErrorKind.HTTP_4XX),  # no refusal
+        (502, '{"error": {"message": "logprobs not supported"}}', ErrorKind.HTTP_5XX),
+        (400, "[1, 2]", ErrorKind.HTTP_4XX),
+        (400, '{"error": {"message": {"nested": true}}}', ErrorKind.HTTP_4XX),
+    ],
+)
+def test_what_is_no_refusal_keeps_its_kind_by_status(status, body, kind):
+    got, message = classify(status, body, "b")
+    assert got is kind and message.startswith(f"HTTP {status}: ")
+
+
+def test_a_long_server_message_is_cut_and_a_parameter_in_it_is_only_named_when_known():
+    kind, message = classify(500, json.dumps({"error": {"message": "x" * 1000}}), "b")
+    assert kind is ErrorKind.HTTP_5XX and len(message) == len("HTTP 500: ") + 300
+    kind, message = classify(400, '{"error": {"message": "Unsupported parameter: \'frobnicate\'"}}', "b")
+    assert kind is ErrorKind.HTTP_4XX and "frobnicate" in message and "the server refuses" not in message
+
+
+class _Refusing(BaseHTTPRequestHandler):
+    body = b""
+    status = 400
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(self.status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(self.body)))
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *_: object) -> None:
+        pass
+
+
+def test_the_openai_kind_stores_a_refusal_as_a_config_error(tmp_path):
+    doc = load(FIXTURES / "openai-max-tokens.json")
+    handler = type("H", (_Refusing,), {"body": json.dumps(doc["body"]).encode(), "status": 400})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    (tmp_path / "s.toml").write_text(
+        '[suite]\nname = "s"\n[[canary]]\nid = "add"\n'
+        'messages = [{ role = "user", content = "1+1?" }]\nexpect = { number = 2 }\n'
+    )
+    (canary,) = load_suites([tmp_path / "s.toml"])[0].canaries
+    cfg = openai_compat.Settings(
+        name="o4", model="o4-mini", base_url=f"http://127.0.0.1:{server.server_address[1]}/v1"
+    )
+    prober = openai_compat.Prober(cfg)
+    try:
+        obs = prober.attempt(canary)
+    finally:
+        prober.close()
+        server.shutdown()
+    assert obs.error_kind is ErrorKind.CONFIG and not obs.error_kind.retryable
+    assert obs.error == classify(400, json.dumps(doc["body"]), "o4")[1]
