@@ -13,17 +13,31 @@ from canaryd.judge.stats import (
     DetectorState,
     Evidence,
     NoiseModel,
+    combine,
+    common_prefix,
     cusum,
     cycle_evalue,
     min_out_for,
     out_bound,
     score,
+    score_signals,
 )
 from canaryd.judge.verdicts import Verdict
 from canaryd.observation import ErrorKind, Observation, TokenLogprob, tokens_problem
 from canaryd.stack import FieldChange, diff
 
-__all__ = ["Comparison", "Decision", "Evidence", "TokenDelta", "Verdict", "compare", "decide", "token_delta"]
+__all__ = [
+    "Comparison",
+    "Decision",
+    "Evidence",
+    "TokenDelta",
+    "Verdict",
+    "basis_of",
+    "compare",
+    "decide",
+    "text_delta",
+    "token_delta",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,10 +65,14 @@ class Comparison:
     reasons: tuple[str, ...] = field(default=())
     evidence: Evidence | None = None
     first_diverged_step: str | None = None  # a chain's final step: the first step whose output moved
+    # what the comparison rests on: "logprobs", or "text" (an answer or its baseline carried no logprobs:
+    # text, usage, fingerprint and stack only; ``delta.first_divergence`` then counts characters)
+    basis: str = "logprobs"
 
     def as_dict(self) -> dict:
         return {
             "verdict": self.verdict.value,
+            "basis": self.basis,
             "correct": self.correct,
             "baseline_correct": self.baseline_correct,
             "text_identical": self.text_identical,
@@ -109,6 +127,41 @@ def token_delta(base: list[TokenLogprob], cur: list[TokenLogprob]) -> TokenDelta
     )
 
 
+def text_delta(base: str, cur: str) -> TokenDelta:
+    """Where two answers without logprobs part, in characters (no logprob figures)."""
+    n = common_prefix(base, cur)
+    return TokenDelta(None if base == cur else n, n, None, None, None, None)
+
+
+def basis_of(*observations: Observation) -> str:
+    """ "logprobs" when every one carried per-token logprobs, else "text" (text, usage and stack only)."""
+    return "logprobs" if all(o.has_logprobs for o in observations) else "text"
+
+
+def _usage_changes(baseline: Observation, current: Observation, text_basis: bool) -> list[str]:
+    """Usage counts that moved although nothing else explains it: the prompt's tokens (a hidden system
+    prompt, another template or tokenizer), on the text basis the visible completion tokens of the same
+    text, and whether reasoning tokens are reported at all."""
+    out = []
+    if None not in (baseline.prompt_tokens, current.prompt_tokens) and (
+        baseline.prompt_tokens != current.prompt_tokens
+    ):
+        out.append(f"prompt tokens {baseline.prompt_tokens} -> {current.prompt_tokens}")
+    seen = _visible(baseline), _visible(current)
+    if text_basis and baseline.text == current.text and None not in seen and seen[0] != seen[1]:
+        out.append(f"completion tokens {seen[0]} -> {seen[1]} for the same text")
+    if (baseline.reasoning_tokens is None) != (current.reasoning_tokens is None):
+        out.append(f"reasoning tokens {baseline.reasoning_tokens} -> {current.reasoning_tokens}")
+    return out
+
+
+def _visible(obs: Observation) -> int | None:
+    """Completion tokens net of hidden reasoning (which OpenAI-style usage counts among them)."""
+    if obs.completion_tokens is None:
+        return None
+    return obs.completion_tokens - (obs.reasoning_tokens or 0)
+
+
 def compare(
     baseline: Observation | None,
     current: Observation,
@@ -125,105 +178,164 @@ def compare(
     request, whether something moved *beyond noise* is decided by `stats.score` (its evidence rides on the
     comparison) instead of by ``logprob_tolerance``.
 
+    The **basis** is what the comparison rests on: ``logprobs`` when both answers carried them, else
+    ``text`` (an answer without logprobs is still an observation): correctness, the text (its first
+    divergence in characters), prompt, visible completion and reasoning tokens, fingerprint and stack, and
+    with a calibration the reasoning tokens' and latency's spread. A basis change alone (logprobs then
+    none, or the reverse) is no drift: the pair is judged on text, and a reason says so. Reasoning tokens
+    that moved without a calibration are ``answer-drift`` (hidden generated tokens differ, as a token does);
+    latency is compared only against a calibration.
+
     Unusable logprobs (NaN, ±inf, above 0, absurdly negative: `canaryd.observation.logprob_problem`) are
     never compared: in ``current`` they are an error; a ``baseline`` with them (stored by an older version)
     is refused, and ``current`` becomes the baseline (a ``baseline`` verdict, with the reason).
     """
+    own = basis_of(current)
     if not current.ok:
-        return Comparison(Verdict.ERROR, None, reasons=(f"{current.error_kind}: {current.error}",))
+        return Comparison(Verdict.ERROR, None, reasons=(f"{current.error_kind}: {current.error}",), basis=own)
     if (bad := tokens_problem(current.tokens)) is not None:  # the probe pass vets answers; callers may not
-        return Comparison(Verdict.ERROR, None, reasons=(f"{ErrorKind.INVALID_RESPONSE}: {bad}",))
+        return Comparison(Verdict.ERROR, None, reasons=(f"{ErrorKind.INVALID_RESPONSE}: {bad}",), basis=own)
     if baseline is None:
         return Comparison(
-            Verdict.BASELINE, correct, reasons=("no baseline yet: this observation becomes it",)
+            Verdict.BASELINE, correct, reasons=("no baseline yet: this observation becomes it",), basis=own
         )
     if (bad := tokens_problem(baseline.tokens)) is not None:  # stored by a version that did not vet them
         return Comparison(
             Verdict.BASELINE,
             correct,
             reasons=(f"stored baseline refused ({bad}): this observation replaces it",),
+            basis=own,
         )
     if baseline.request_hash != current.request_hash:
         return Comparison(
-            Verdict.BASELINE, correct, reasons=("canary request changed since the baseline: new baseline",)
+            Verdict.BASELINE,
+            correct,
+            reasons=("canary request changed since the baseline: new baseline",),
+            basis=own,
         )
 
-    delta = token_delta(baseline.tokens, current.tokens)
+    basis = basis_of(baseline, current)
+    text_basis = basis == "text"
+    delta = (
+        text_delta(baseline.text or "", current.text or "")
+        if text_basis
+        else token_delta(baseline.tokens, current.tokens)
+    )
     text_identical = baseline.text == current.text
     stack_changes = tuple(diff(baseline.stack, current.stack))
     fingerprint_changed = baseline.system_fingerprint != current.system_fingerprint
-    prompt_changed = (
-        baseline.prompt_tokens is not None
-        and current.prompt_tokens is not None
-        and baseline.prompt_tokens != current.prompt_tokens
-    )
+    usage = _usage_changes(baseline, current, text_basis)
     reasons: list[str] = []
+    if baseline.has_logprobs != current.has_logprobs:
+        reasons.append(
+            "the baseline has logprobs, this answer none: judged on text"
+            if baseline.has_logprobs
+            else "the baseline has no logprobs: judged on text"
+        )
     if stack_changes:
         reasons.append(f"stack changed ({len(stack_changes)} field{'s' if len(stack_changes) > 1 else ''})")
-    if prompt_changed:
-        reasons.append(f"prompt tokens {baseline.prompt_tokens} -> {current.prompt_tokens}")
+    reasons.extend(usage)
 
     tokens_same = delta.first_divergence is None and text_identical
     moved = max(delta.max_abs_dlogprob or 0.0, delta.max_abs_dtop or 0.0)
     topk_changed = delta.topk_overlap is not None and delta.topk_overlap < 1.0
-    evidence = None
+    reasoning = (baseline.reasoning_tokens, current.reasoning_tokens)
+    reasoning_moved = None not in reasoning and reasoning[0] != reasoning[1]
+    point_ev, signals = None, {}
     if noise is not None and noise.request_hash == current.request_hash:
-        evidence = score(noise, current)
-        beyond_noise = evidence.out
+        if noise.basis == basis:
+            point_ev = score(noise, current)
+        else:
+            reasons.append(
+                f"calibrated on {noise.basis}, compared on {basis}: the answer judged uncalibrated"
+            )
+        signals = {ev.detail["signal"]: ev for ev in score_signals(noise, current)}
+    elif noise is not None:
+        reasons.append("calibration is for an older request of this canary: run `baseline calibrate`")
+    scored = [ev for ev in (point_ev, *signals.values()) if ev is not None]
+    evidence = replace(combine(scored), basis=basis) if scored else None
+
+    if point_ev is not None:
+        answer_beyond = point_ev.out
     else:
-        if noise is not None:
-            reasons.append("calibration is for an older request of this canary: run `baseline calibrate`")
         # A top-k membership swap is itself a logprob move; with a tolerance set it may be boundary noise.
         topk_changed = topk_changed and logprob_tolerance == 0
-        beyond_noise = (
+        answer_beyond = (
             not tokens_same
             or moved > logprob_tolerance
             or topk_changed
             or (bool(baseline_correct) and correct is False)
         )
+    reasoning_ev = signals.get("reasoning_tokens")
+    reasoning_beyond = reasoning_ev.out if reasoning_ev is not None else reasoning_moved
+    latency_ev = signals.get("latency_s")
+    latency_beyond = latency_ev is not None and latency_ev.out
 
-    if not beyond_noise:
-        if stack_changes or prompt_changed:  # the stack moved under a probe within noise: still say so
+    if not (answer_beyond or reasoning_beyond or latency_beyond):
+        if stack_changes or usage:  # the stack moved under a probe within noise: still say so
             verdict = Verdict.STACK_CHANGE
-        elif evidence is not None and (not tokens_same or moved > 0 or topk_changed):
+        elif evidence is not None and (not tokens_same or moved > 0 or topk_changed or reasoning_moved):
             verdict = Verdict.NOISE
             reasons.insert(0, _evidence_reason(evidence, "within the calibrated noise"))
         else:
             verdict = Verdict.IDENTICAL
-    elif baseline_correct and correct is False:
+    elif answer_beyond and baseline_correct and correct is False:
         verdict = Verdict.REGRESSION
         reasons.insert(0, "was correct, now wrong")
-    elif not tokens_same:
+    elif answer_beyond and not tokens_same:
         verdict = Verdict.ANSWER_DRIFT
         where = delta.first_divergence if delta.first_divergence is not None else delta.common_prefix
-        reasons.insert(0, f"tokens differ from index {where}")
-    elif evidence is not None:
-        verdict = Verdict.LOGPROB_DRIFT
-        reasons.insert(0, _evidence_reason(evidence, "beyond the calibrated noise"))
-    else:
+        unit = "character" if text_basis else "index"
+        reasons.insert(0, f"{'text' if text_basis else 'tokens'} differ from {unit} {where}")
+    elif reasoning_beyond:
+        verdict = Verdict.ANSWER_DRIFT
+        what = f"hidden reasoning tokens {reasoning[0]} -> {reasoning[1]}"
+        reasons.insert(
+            0,
+            _evidence_reason(reasoning_ev, f"{what}, beyond the calibrated spread")
+            if reasoning_ev is not None
+            else f"{what} (uncalibrated: `baseline calibrate` learns their spread)",
+        )
+    elif answer_beyond and evidence is not None:
+        verdict = Verdict.ANSWER_DRIFT if text_basis else Verdict.LOGPROB_DRIFT
+        reasons.insert(0, _evidence_reason(point_ev, "beyond the calibrated noise"))
+    elif answer_beyond:
         verdict = Verdict.LOGPROB_DRIFT
         reasons.insert(
             0,
             f"max |Δ logprob| {moved:.3g} > tolerance {logprob_tolerance:g}"
             + (", top-k set changed" if topk_changed else ""),
         )
+    else:  # latency alone: the same answer, served differently
+        verdict = Verdict.STACK_CHANGE
+        reasons.insert(0, _evidence_reason(latency_ev, "latency beyond the calibrated spread"))
     return Comparison(
         verdict=verdict,
         correct=correct,
         baseline_correct=baseline_correct,
         text_identical=text_identical,
         delta=delta,
-        prompt_tokens_changed=prompt_changed,
+        prompt_tokens_changed=any(u.startswith("prompt tokens") for u in usage),
         fingerprint_changed=fingerprint_changed,
         stack_changes=stack_changes,
         reasons=tuple(reasons),
         evidence=evidence,
+        basis=basis,
     )
 
 
 def _evidence_reason(evidence: Evidence | None, what: str) -> str:
     if evidence is None:
         return what
+    if (signal := evidence.detail.get("signal")) is not None:
+        low, high = evidence.detail["calibrated_range"]
+        unit = " s" if signal == "latency_s" else ""
+        return (
+            f"{what}: {signal} {evidence.detail['value']:.4g}{unit} "
+            f"vs calibrated {low:.4g}..{high:.4g}{unit} "
+            f"(D {evidence.statistic:.3g} vs threshold {evidence.threshold:.3g}, {evidence.method}, "
+            f"p {evidence.p_value:.3g})"
+        )
     return (
         f"{what}: D {evidence.statistic:.3g} vs threshold {evidence.threshold:.3g} "
         f"({evidence.method}, p {evidence.p_value:.3g}, max |Δ logprob| "

@@ -39,6 +39,25 @@ outside the EXACT regime one out canary is only a drift verdict when the backend
   approximate (recalibrating after a stack change renews it). It catches small persistent shifts no
   single cycle proves.
 
+**Signals beyond logprobs** (`SignalFit`). The K probes also give each canary's spread of two numbers
+every answer carries, with or without logprobs: its hidden reasoning tokens
+(``usage.completion_tokens_details.reasoning_tokens``) and its latency. Each is scored by the same split
+conformal rule on its own: ``D = |x − median| / s`` with ``s`` the robust spread of the K values (floored:
+half a token; 5% of latency), the leave-one-out ``D_i`` of each probe against the other K − 1, ``p = (1 +
+#{D_i ≥ D}) / (K + 1)``, out beyond ``(1 + GUARD)·max D_i``. K identical reasoning counts are the EXACT
+regime (a deterministic engine: any change counts). Reasoning tokens are what a provider silently
+lowering its reasoning effort moves (900 → 300 at the same answer).
+
+Latency gets a higher bar, because it measures the path to the engine (network, queueing, neighbours'
+load) far more than the engine: it is taken in log seconds (delays multiply), it is out only when it is
+also at least ``LATENCY_RATIO`` times (or 1/``LATENCY_RATIO``) the calibrated median, it is never EXACT
+(so one slow probe is held back as ``within-noise`` until the backend's alarm is on: several canaries at
+once, or the e-CUSUM over cycles), and it is never compared at all without a calibration.
+
+Each canary's signals (its logprob or text point, reasoning tokens, latency) are one comparison: the
+deciding signal is the out one with the smallest p-value, the p-value is Bonferroni's ``min(1, m·p)``, the
+e-value the mean of the m e-values, and the out bound ``m/(K+1)`` (a union bound).
+
 A chain's steps count as one canary (their inputs depend on each other): out if any step is, with the
 sum of the steps' bounds, and the mean of their e-values. A sampled canary's two-sample test decides at
 its own alpha and is never held back.
@@ -91,6 +110,7 @@ class Evidence:
     p_value: float | None = None
     e_value: float | None = None
     detail: dict = field(default_factory=dict)  # method-specific figures (rates, intervals, counts)
+    basis: str = "logprobs"  # "text": the answers compared carried no logprobs (text, usage and stack only)
 
     @property
     def out(self) -> bool:
@@ -105,6 +125,7 @@ class Evidence:
             "p_value": self.p_value,
             "e_value": self.e_value,
             "out": self.out,
+            "basis": self.basis,
             **({"detail": self.detail} if self.detail else {}),
         }
 
@@ -143,8 +164,8 @@ def point(obs: Observation) -> Point:
         for tok, lp in t.top:
             coords[(i, tok)] = lp
         coords[(i, t.token)] = t.logprob
-    if not obs.tokens and obs.text is not None:  # a backend without logprobs: identity is the text
-        ids = [obs.text]
+    if not obs.has_logprobs or (not obs.tokens and obs.text is not None):  # identity is the text
+        ids, coords = [obs.text or ""], {}
     return Point(tuple(ids), coords)
 
 
@@ -181,6 +202,80 @@ def robust_spread(values: Sequence[float]) -> float:
     return max(1.4826 * mad, (max(values) - min(values)) / 4, S_FLOOR)
 
 
+LATENCY_RATIO = 1.5  # a latency signal is out only this many times slower (or faster) than calibrated
+SIGNAL_FLOOR = {"reasoning_tokens": 0.5, "latency_s": math.log(1.05)}  # spread floors: half a token, 5%
+
+
+def signal_value(obs: Observation, name: str) -> float | None:
+    """The observation's value of a calibrated signal (latency in log seconds), None when it has none."""
+    if name == "reasoning_tokens":
+        return None if obs.reasoning_tokens is None else float(obs.reasoning_tokens)
+    return math.log(obs.latency_s) if obs.latency_s > 0 else None
+
+
+def _nonconformity(x: float, values: Sequence[float], floor: float) -> float:
+    return abs(x - statistics.median(values)) / max(robust_spread(values), floor)
+
+
+@dataclass(frozen=True, slots=True)
+class SignalFit:
+    """The calibrated spread of one non-logprob signal of a canary (see the module docstring)."""
+
+    name: str
+    values: tuple[float, ...]  # the K probes' values (latency: log seconds)
+    loo: tuple[float, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        floor = SIGNAL_FLOOR[self.name]
+        rest = [self.values[:i] + self.values[i + 1 :] for i in range(len(self.values))]
+        loo = tuple(_nonconformity(v, r, floor) for v, r in zip(self.values, rest, strict=True))
+        object.__setattr__(self, "loo", loo)
+
+    @property
+    def exact(self) -> bool:
+        return self.name != "latency_s" and len(set(self.values)) == 1
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.values)
+
+    @property
+    def spread(self) -> float:
+        return max(robust_spread(self.values), SIGNAL_FLOOR[self.name])
+
+    @property
+    def threshold(self) -> float:
+        if self.exact:
+            return 0.0
+        bar = (1 + GUARD) * max(self.loo)
+        if self.name == "latency_s":  # the higher bar: also a real factor in seconds
+            bar = max(bar, math.log(LATENCY_RATIO) / self.spread)
+        return bar
+
+    def score(self, x: float) -> Evidence:
+        d = abs(x - self.median) / self.spread
+        p = (1 + sum(1 for v in self.loo if v >= d)) / (len(self.values) + 1)
+        show = math.exp if self.name == "latency_s" else float
+        return Evidence(
+            method="exact" if self.exact else "conformal-nn",
+            statistic=d,
+            threshold=self.threshold,
+            p_value=p,
+            e_value=p_to_e(p),
+            detail={
+                "signal": self.name,
+                "k": len(self.values),
+                "value": show(x),
+                "calibrated_median": show(self.median),
+                "calibrated_range": [show(min(self.values)), show(max(self.values))],
+            },
+        )
+
+    def summary(self) -> dict:
+        show = math.exp if self.name == "latency_s" else float
+        return {"median": show(self.median), "min": show(min(self.values)), "max": show(max(self.values))}
+
+
 @dataclass(frozen=True, slots=True)
 class NoiseModel:
     """What K honest probes of one canary × backend look like; `score` judges a new probe against it."""
@@ -190,10 +285,13 @@ class NoiseModel:
     spread: Mapping[Key, float]
     default_spread: float
     loo: tuple[float, ...]  # each probe's distance to its nearest other probe
+    # the K probes' reasoning tokens and latency (seconds), when every probe had them
+    signal_values: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
     # derived from refs once (hashing every coordinate is most of what scoring would cost)
     signatures: int = field(init=False)
     completions: Counter[str] = field(init=False)
     regime: Regime = field(init=False)
+    signals: dict[str, SignalFit] = field(init=False)
 
     def __post_init__(self) -> None:
         n = len({r.signature for r in self.refs})
@@ -201,6 +299,16 @@ class NoiseModel:
         object.__setattr__(self, "signatures", n)
         object.__setattr__(self, "completions", Counter(r.completion for r in self.refs))
         object.__setattr__(self, "regime", regime)
+        fits = {
+            name: SignalFit(name, tuple(math.log(v) for v in vs) if name == "latency_s" else tuple(vs))
+            for name, vs in self.signal_values.items()
+        }
+        object.__setattr__(self, "signals", fits)
+
+    @property
+    def basis(self) -> str:
+        """ "text" when the K probes carried no logprobs (each point is its text alone)."""
+        return "logprobs" if any(r.coords for r in self.refs) else "text"
 
     @property
     def k(self) -> int:
@@ -241,6 +349,8 @@ class NoiseModel:
             "spread_max": spreads[-1] if spreads else 0.0,
             "loo_max": max(self.loo),
             "threshold": self.threshold,
+            "basis": self.basis,
+            **{name: fit.summary() for name, fit in self.signals.items()},
         }
 
     def as_dict(self) -> dict:
@@ -250,6 +360,7 @@ class NoiseModel:
             "spread": [[p, t, s] for (p, t), s in sorted(self.spread.items())],
             "default_spread": self.default_spread,
             "loo": list(self.loo),
+            "signals": {name: list(vs) for name, vs in self.signal_values.items()},
         }
 
     @classmethod
@@ -262,6 +373,7 @@ class NoiseModel:
             spread={(int(p), str(t)): float(s) for p, t, s in doc["spread"]},
             default_spread=float(doc["default_spread"]),
             loo=tuple(float(x) for x in doc["loo"]),
+            signal_values=_signal_values(doc.get("signals") or {}),  # absent: calibrated by an older version
         )
         for i, ref in enumerate(model.refs):
             for (pos, tok), v in ref.coords.items():
@@ -273,6 +385,22 @@ class NoiseModel:
         if not model.loo or not all(math.isfinite(v) and v >= 0 for v in model.loo):
             raise CalibrationError("a leave-one-out distance is not a finite number >= 0")
         return model
+
+
+def _signal_values(doc: Mapping) -> dict[str, tuple[float, ...]]:
+    out = {}
+    for name, values in doc.items():
+        if name not in SIGNAL_FLOOR:
+            raise CalibrationError(f"signals: unknown signal {name!r}")
+        vs = tuple(float(v) for v in values)
+        if (
+            len(vs) < 2
+            or not all(math.isfinite(v) and v >= 0 for v in vs)
+            or (name == "latency_s" and 0 in vs)
+        ):
+            raise CalibrationError(f"signals.{name}: not at least 2 finite values >= 0")
+        out[name] = vs
+    return out
 
 
 def _quantile(sorted_values: Sequence[float], q: float) -> float:
@@ -305,7 +433,13 @@ def fit(observations: Sequence[Observation]) -> NoiseModel:
     loo = tuple(
         min(distance(r, o, spread, default) for j, o in enumerate(refs) if j != i) for i, r in enumerate(refs)
     )
-    return NoiseModel(ok[0].request_hash, refs, spread, default, loo)
+    signals: dict[str, tuple[float, ...]] = {}
+    reasoning = [o.reasoning_tokens for o in ok]
+    if all(r is not None for r in reasoning):
+        signals["reasoning_tokens"] = tuple(float(r) for r in reasoning)  # type: ignore[arg-type]
+    if all(o.latency_s > 0 for o in ok):
+        signals["latency_s"] = tuple(o.latency_s for o in ok)
+    return NoiseModel(ok[0].request_hash, refs, spread, default, loo, signals)
 
 
 def p_to_e(p: float) -> float:
@@ -364,8 +498,36 @@ class DetectorState:
 
 
 def out_bound(ev: Evidence) -> float:
-    """An upper bound on P(out | no change) for one canary: 1/(K+1) calibrated, alpha for a sampled one."""
-    return 1 / (ev.detail["k"] + 1) if "k" in ev.detail else float(ev.detail["alpha"])
+    """An upper bound on P(out | no change) for one canary: m/(K+1) calibrated (m signals scored, a union
+    bound), alpha for a sampled one."""
+    if "k" in ev.detail:
+        return min(1.0, ev.detail.get("signals_scored", 1) / (ev.detail["k"] + 1))
+    return float(ev.detail["alpha"])
+
+
+def score_signals(model: NoiseModel, obs: Observation, names: Sequence[str] | None = None) -> list[Evidence]:
+    """``obs`` scored on each calibrated non-logprob signal it carries (``names``: only these)."""
+    out = []
+    for name, fit in model.signals.items():
+        if (names is None or name in names) and (x := signal_value(obs, name)) is not None:
+            out.append(fit.score(x))
+    return out
+
+
+def combine(evidence: Sequence[Evidence]) -> Evidence:
+    """One canary's evidence from its m scored signals: the deciding one (the out one with the smallest
+    p-value, else the smallest p-value), Bonferroni's p = min(1, m·p), the mean e-value, and every signal's
+    figures under ``detail.signals``."""
+    if len(evidence) == 1:
+        return evidence[0]
+    deciding = min(evidence, key=lambda ev: (not ev.out, ev.p_value if ev.p_value is not None else 1.0))
+    p = None if deciding.p_value is None else min(1.0, len(evidence) * deciding.p_value)
+    e = cycle_evalue([ev.e_value for ev in evidence if ev.e_value is not None])
+    signals = {ev.detail.get("signal", "answer"): ev.as_dict() for ev in evidence}
+    detail = {**deciding.detail, "k": min(ev.detail["k"] for ev in evidence), "signals_scored": len(evidence)}
+    return Evidence(
+        deciding.method, deciding.statistic, deciding.threshold, p, e, {**detail, "signals": signals}
+    )
 
 
 def min_out_for(bounds: Sequence[float], arl: float) -> int | None:
