@@ -138,14 +138,17 @@ def basis_of(*observations: Observation) -> str:
     return "logprobs" if all(o.has_logprobs for o in observations) else "text"
 
 
+def _prompt_changed(baseline: Observation, current: Observation) -> bool:
+    counts = baseline.prompt_tokens, current.prompt_tokens
+    return None not in counts and counts[0] != counts[1]
+
+
 def _usage_changes(baseline: Observation, current: Observation, text_basis: bool) -> list[str]:
     """Usage counts that moved although nothing else explains it: the prompt's tokens (a hidden system
     prompt, another template or tokenizer), on the text basis the visible completion tokens of the same
     text, and whether reasoning tokens are reported at all."""
     out = []
-    if None not in (baseline.prompt_tokens, current.prompt_tokens) and (
-        baseline.prompt_tokens != current.prompt_tokens
-    ):
+    if _prompt_changed(baseline, current):
         out.append(f"prompt tokens {baseline.prompt_tokens} -> {current.prompt_tokens}")
     seen = _visible(baseline), _visible(current)
     if text_basis and baseline.text == current.text and None not in seen and seen[0] != seen[1]:
@@ -266,6 +269,8 @@ def compare(
             or topk_changed
             or (bool(baseline_correct) and correct is False)
         )
+    if point_ev is None and answer_beyond:  # drift on the answer alone, which no calibration covers: the
+        evidence = None  # signals' evidence must not let the cycle's decision hold it back as noise
     reasoning_ev = signals.get("reasoning_tokens")
     reasoning_beyond = reasoning_ev.out if reasoning_ev is not None else reasoning_moved
     latency_ev = signals.get("latency_s")
@@ -315,7 +320,7 @@ def compare(
         baseline_correct=baseline_correct,
         text_identical=text_identical,
         delta=delta,
-        prompt_tokens_changed=any(u.startswith("prompt tokens") for u in usage),
+        prompt_tokens_changed=_prompt_changed(baseline, current),
         fingerprint_changed=fingerprint_changed,
         stack_changes=stack_changes,
         reasons=tuple(reasons),
@@ -366,8 +371,9 @@ def decide(
     evidence, and a chain's steps (``id:step``, whose inputs depend on each other) are one canary, out when
     any step is out, its chance of that bounded by the sum of its steps' (a union bound), its e-value the
     mean of theirs. ``min_out`` None: derived from ``arl`` (`min_out_for`). Only ``conformal-nn`` drift is
-    held back as ``within-noise``; an exact-regime change and a sampled canary's two-sample test (already
-    at its own alpha) stand as they are. An exact-regime canary raises the alarm when it moves in two
+    held back as ``within-noise`` (as ``stack-change`` when the stack or prompt tokens moved too); an
+    exact-regime change and a sampled canary's two-sample test (already at its own alpha) stand as they
+    are. An exact-regime canary raises the alarm when it moves in two
     consecutive cycles with evidence (``state.pending`` carries the first), so one blip cannot latch it.
     """
     steps: dict[str, dict[str, Evidence]] = {}
@@ -400,6 +406,8 @@ def decide(
                 f"out alone: {len(out)} of {len(steps)} calibrated canaries out ({needs}), "
                 f"e-CUSUM {m:.3g} < {arl:g}"
             )
-            c = replace(c, verdict=Verdict.NOISE, reasons=(why, *c.reasons))
+            # a moved stack or prompt is a fact, not a statistic: held back, it is still said
+            held = Verdict.STACK_CHANGE if c.stack_changes or c.prompt_tokens_changed else Verdict.NOISE
+            c = replace(c, verdict=held, reasons=(why, *c.reasons))
         settled.append(c)
     return Decision(settled, new_state, e, out)

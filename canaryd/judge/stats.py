@@ -50,7 +50,8 @@ lowering its reasoning effort moves (900 → 300 at the same answer).
 
 Latency gets a higher bar, because it measures the path to the engine (network, queueing, neighbours'
 load) far more than the engine: it is taken in log seconds (delays multiply), it is out only when it is
-also at least ``LATENCY_RATIO`` times (or 1/``LATENCY_RATIO``) the calibrated median, it is never EXACT
+also at least ``LATENCY_RATIO`` times (or 1/``LATENCY_RATIO``) the calibrated median and ``LATENCY_MIN_S``
+away from it (a loopback's milliseconds jitter by multiples), it is never EXACT
 (so one slow probe is held back as ``within-noise`` until the backend's alarm is on: several canaries at
 once, or the e-CUSUM over cycles), and it is never compared at all without a calibration.
 
@@ -202,7 +203,8 @@ def robust_spread(values: Sequence[float]) -> float:
     return max(1.4826 * mad, (max(values) - min(values)) / 4, S_FLOOR)
 
 
-LATENCY_RATIO = 1.5  # a latency signal is out only this many times slower (or faster) than calibrated
+LATENCY_RATIO = 1.5  # a latency signal is out only this many times slower (or faster) than calibrated ...
+LATENCY_MIN_S = 0.5  # ... and this many seconds
 SIGNAL_FLOOR = {"reasoning_tokens": 0.5, "latency_s": math.log(1.05)}  # spread floors: half a token, 5%
 
 
@@ -244,12 +246,25 @@ class SignalFit:
         return max(robust_spread(self.values), SIGNAL_FLOOR[self.name])
 
     @property
-    def threshold(self) -> float:
+    def median_s(self) -> float:
+        """The median in its own unit (latency: seconds, not log seconds)."""
+        return math.exp(self.median) if self.name == "latency_s" else self.median
+
+    def threshold(self, x: float) -> float:
+        """The bar ``D`` must clear: beyond every honest leave-one-out value; for latency also a real
+        change in seconds, ``LATENCY_RATIO`` times and ``LATENCY_MIN_S`` either way of the median (so
+        the jitter of a millisecond round trip is never a finding)."""
         if self.exact:
             return 0.0
         bar = (1 + GUARD) * max(self.loo)
-        if self.name == "latency_s":  # the higher bar: also a real factor in seconds
-            bar = max(bar, math.log(LATENCY_RATIO) / self.spread)
+        if self.name == "latency_s":
+            m = self.median_s
+            need = (
+                math.log(m + LATENCY_MIN_S) - self.median
+                if x >= self.median
+                else (self.median - math.log(max(m - LATENCY_MIN_S, 1e-3)))
+            )
+            bar = max(bar, max(math.log(LATENCY_RATIO), need) / self.spread)
         return bar
 
     def score(self, x: float) -> Evidence:
@@ -259,7 +274,7 @@ class SignalFit:
         return Evidence(
             method="exact" if self.exact else "conformal-nn",
             statistic=d,
-            threshold=self.threshold,
+            threshold=self.threshold(x),
             p_value=p,
             e_value=p_to_e(p),
             detail={

@@ -16,7 +16,15 @@ import pytest
 
 from canaryd.daemon.metrics import Metrics
 from canaryd.judge.compare import Verdict, compare, decide
-from canaryd.judge.stats import GUARD, LATENCY_RATIO, DetectorState, NoiseModel, fit, min_out_for
+from canaryd.judge.stats import (
+    GUARD,
+    LATENCY_MIN_S,
+    LATENCY_RATIO,
+    DetectorState,
+    NoiseModel,
+    fit,
+    min_out_for,
+)
 from canaryd.observation import Observation
 from canaryd.probe.calibrate import calibrate
 from canaryd.report.record import build_record, to_markdown
@@ -297,7 +305,14 @@ def test_latency_is_compared_only_against_a_calibration_and_then_with_a_higher_b
     assert slower.evidence.detail["signals"]["latency_s"]["p_value"] == pytest.approx(1 / 21)
     lat = slower.evidence.detail["signals"]["latency_s"]
     assert lat["statistic"] > (1 + GUARD) * max(model.signals["latency_s"].loo)  # beyond every honest probe
-    assert lat["threshold"] == pytest.approx(math.log(LATENCY_RATIO) / model.signals["latency_s"].spread)
+    fitted = model.signals["latency_s"]  # the bar: 0.5 s over the median (more than 1.5× here)
+    assert math.log(fitted.median_s + LATENCY_MIN_S) - fitted.median > math.log(LATENCY_RATIO)
+    assert lat["threshold"] == pytest.approx(
+        (math.log(fitted.median_s + LATENCY_MIN_S) - fitted.median) / fitted.spread
+    )
+    # a loopback's milliseconds: ten times slower is still not half a second
+    quick = fit([_obs(0.004 + 0.0001 * i) for i in range(20)])
+    assert compare(_obs(0.005), _obs(0.05), correct=True, noise=quick).verdict is Verdict.IDENTICAL
 
     far = compare(base, _obs(2.0), correct=True, noise=model)
     assert far.verdict is Verdict.STACK_CHANGE and far.evidence.out and far.basis == "text"
@@ -306,3 +321,30 @@ def test_latency_is_compared_only_against_a_calibration_and_then_with_a_higher_b
     settled = decide(["c"], [far], DetectorState(), arl=10_000)
     assert settled.comparisons[0].verdict is Verdict.NOISE and not settled.state.alarm
     assert min_out_for([2 / 21], 10_000) is None
+
+
+def test_a_held_back_latency_outlier_never_hides_a_moved_stack():
+    model = fit([_obs(0.45 + 0.01 * i) for i in range(20)])
+    base, moved = _obs(0.50), _obs(2.0)
+    base.stack, moved.stack = {"engine.version": "1"}, {"engine.version": "2"}
+    c = compare(base, moved, correct=True, noise=model)
+    assert c.verdict is Verdict.STACK_CHANGE and c.evidence.out and len(c.stack_changes) == 1
+    settled = decide(["c"], [c], DetectorState(), arl=10_000).comparisons[0]
+    assert settled.verdict is Verdict.STACK_CHANGE and settled.reasons[0].startswith("out alone: 1 of 1")
+
+
+def test_an_uncalibrated_answer_change_beside_calibrated_signals_is_never_held_back():
+    """Calibrated on logprobs, answered without: the text is judged uncalibrated, and its drift stands."""
+    from canaryd.observation import TokenLogprob
+
+    def with_logprobs(latency: float) -> Observation:
+        o = _obs(latency)
+        o.has_logprobs, o.tokens = True, [TokenLogprob("4", -0.1), TokenLogprob("2", -0.2)]
+        return o
+
+    model = fit([with_logprobs(0.45 + 0.01 * i) for i in range(20)])
+    assert model.basis == "logprobs"
+    c = compare(with_logprobs(0.5), _obs(0.5, text="41"), correct=None, noise=model)
+    assert c.verdict is Verdict.ANSWER_DRIFT and c.basis == "text" and c.evidence is None
+    assert "calibrated on logprobs, compared on text: the answer judged uncalibrated" in c.reasons
+    assert decide(["c"], [c], DetectorState(), arl=10_000).comparisons[0].verdict is Verdict.ANSWER_DRIFT
