@@ -301,7 +301,7 @@ def compare(
             if reasoning_ev is not None
             else f"{what} (uncalibrated: `baseline calibrate` learns their spread)",
         )
-    elif answer_beyond and evidence is not None:
+    elif answer_beyond and point_ev is not None:
         verdict = Verdict.ANSWER_DRIFT if text_basis else Verdict.LOGPROB_DRIFT
         reasons.insert(0, _evidence_reason(point_ev, "beyond the calibrated noise"))
     elif answer_beyond:
