@@ -99,13 +99,14 @@ def _outside(model: NoiseModel, base: Observation) -> str | None:
     rest on the same basis) or its reasoning tokens. Latency is left out: the baseline's was measured
     another day, under another load."""
     if model.basis == basis_of(base) and (ev := score(model, base)).out:
-        moved = (
-            f"max |Δ logprob| {ev.detail['max_abs_dlogprob']:.3g}" if model.basis == "logprobs" else "text"
+        why = (
+            f"D {ev.statistic:.3g} > {ev.threshold:.3g}, max |Δ logprob| {ev.detail['max_abs_dlogprob']:.3g}"
+            if model.basis == "logprobs"
+            else f"its text is none of the {model.k} answers"
         )
-        why = f"D {ev.statistic:.3g} > {ev.threshold:.3g}, {moved}"
     elif (evs := score_signals(model, base, ["reasoning_tokens"])) and evs[0].out:
-        ev = evs[0]
-        why = f"reasoning tokens {ev.detail['value']:g}, calibrated {ev.detail['calibrated_range']}"
+        low, high = evs[0].detail["calibrated_range"]
+        why = f"its reasoning tokens {evs[0].detail['value']:g}, calibrated {low:g}..{high:g}"
     else:
         return None
     return (

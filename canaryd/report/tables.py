@@ -78,7 +78,9 @@ def results_table(results: Sequence[Result]) -> Table:
     for group in _groups(results):
         r = group[0]
         c, d = r.comparison, r.comparison.delta
-        moved = None if d is None else max(d.max_abs_dlogprob or 0.0, d.max_abs_dtop or 0.0)
+        moved = (
+            None if d is None or c.basis == "text" else max(d.max_abs_dlogprob or 0.0, d.max_abs_dtop or 0.0)
+        )
         t.add_row(
             r.observation.backend,
             r.observation.canary_id + (f" ×{len(group)}" if len(group) > 1 else ""),

@@ -215,7 +215,7 @@ def test_calibration_refuses_a_baseline_whose_reasoning_tokens_lie_outside_the_s
     lab.cycle()  # the baselines, at 900
     lab.backend().snapshot()  # cycle 2: the calibration probes all answer 400
     saved = calibrate(lab.backend(), lab.canaries(), lab.store, k=4, batch_sizes=[1])
-    assert all(c.problem and "reasoning tokens 900" in c.problem for c in saved)
+    assert all(c.problem and "its reasoning tokens 900, calibrated 400..400" in c.problem for c in saved)
     assert lab.store.calibration("fake", "c0") is None
 
 
