@@ -68,6 +68,7 @@ class Comparison:
     # what the comparison rests on: "logprobs", or "text" (an answer or its baseline carried no logprobs:
     # text, usage, fingerprint and stack only; ``delta.first_divergence`` then counts characters)
     basis: str = "logprobs"
+    latency: Evidence | None = None  # the calibrated latency signal, its own (see `decide`)
 
     def as_dict(self) -> dict:
         return {
@@ -94,6 +95,7 @@ class Comparison:
             "reasons": list(self.reasons),
             "evidence": None if self.evidence is None else self.evidence.as_dict(),
             "first_diverged_step": self.first_diverged_step,
+            "latency": None if self.latency is None else self.latency.as_dict(),
         }
 
 
@@ -187,7 +189,9 @@ def compare(
     with a calibration the reasoning tokens' and latency's spread. A basis change alone (logprobs then
     none, or the reverse) is no drift: the pair is judged on text, and a reason says so. Reasoning tokens
     that moved without a calibration are ``answer-drift`` (hidden generated tokens differ, as a token does);
-    latency is compared only against a calibration.
+    latency is compared only against a calibration, and is its own signal (``latency``): out alone it
+    changes no verdict here; `decide` makes it a ``stack-change`` when enough canaries of the backend
+    are out on latency in the same cycle.
 
     Unusable logprobs (NaN, ±inf, above 0, absurdly negative: `canaryd.observation.logprob_problem`) are
     never compared: in ``current`` they are an error; a ``baseline`` with them (stored by an older version)
@@ -255,6 +259,7 @@ def compare(
         signals = {ev.detail["signal"]: ev for ev in score_signals(noise, current)}
     elif noise is not None:
         reasons.append("calibration is for an older request of this canary: run `baseline calibrate`")
+    latency_ev = signals.pop("latency_s", None)
     scored = [ev for ev in (point_ev, *signals.values()) if ev is not None]
     evidence = replace(combine(scored), basis=basis) if scored else None
 
@@ -273,10 +278,10 @@ def compare(
         evidence = None  # signals' evidence must not let the cycle's decision hold it back as noise
     reasoning_ev = signals.get("reasoning_tokens")
     reasoning_beyond = reasoning_ev.out if reasoning_ev is not None else reasoning_moved
-    latency_ev = signals.get("latency_s")
-    latency_beyond = latency_ev is not None and latency_ev.out
+    if latency_ev is not None and latency_ev.out:
+        reasons.append(_evidence_reason(latency_ev, "latency beyond the calibrated spread"))
 
-    if not (answer_beyond or reasoning_beyond or latency_beyond):
+    if not (answer_beyond or reasoning_beyond):
         if stack_changes or usage:  # the stack moved under a probe within noise: still say so
             verdict = Verdict.STACK_CHANGE
         elif evidence is not None and (not tokens_same or moved > 0 or topk_changed or reasoning_moved):
@@ -304,16 +309,13 @@ def compare(
     elif answer_beyond and point_ev is not None:
         verdict = Verdict.ANSWER_DRIFT if text_basis else Verdict.LOGPROB_DRIFT
         reasons.insert(0, _evidence_reason(point_ev, "beyond the calibrated noise"))
-    elif answer_beyond:
+    else:
         verdict = Verdict.LOGPROB_DRIFT
         reasons.insert(
             0,
             f"max |Δ logprob| {moved:.3g} > tolerance {logprob_tolerance:g}"
             + (", top-k set changed" if topk_changed else ""),
         )
-    else:  # latency alone: the same answer, served differently
-        verdict = Verdict.STACK_CHANGE
-        reasons.insert(0, _evidence_reason(latency_ev, "latency beyond the calibrated spread"))
     return Comparison(
         verdict=verdict,
         correct=correct,
@@ -326,6 +328,7 @@ def compare(
         reasons=tuple(reasons),
         evidence=evidence,
         basis=basis,
+        latency=None if latency_ev is None else replace(latency_ev, basis=basis),
     )
 
 
@@ -346,6 +349,37 @@ def _evidence_reason(evidence: Evidence | None, what: str) -> str:
         f"({evidence.method}, p {evidence.p_value:.3g}, max |Δ logprob| "
         f"{evidence.detail.get('max_abs_dlogprob', 0.0):.3g})"
     )
+
+
+def latency_shift(
+    canary_ids: Sequence[str], comparisons: Sequence[Comparison], arl: float
+) -> list[Comparison]:
+    """Latency's higher bar: a canary out on latency is a ``stack-change`` (the same answers, served
+    differently) only when at least ``max(2, min_out_for(...))`` calibrated canaries of the backend are out
+    on latency in the same cycle, a shift of the whole backend; out alone it is a reason, never drift.
+    It does not feed the e-CUSUM: a slow network for an hour must not add up to an alarm."""
+    scored: dict[str, list[Evidence]] = {}
+    for cid, c in zip(canary_ids, comparisons, strict=True):
+        if c.latency is not None:
+            scored.setdefault(cid.partition(":")[0], []).append(c.latency)
+    out = [q for q, evs in scored.items() if any(ev.out for ev in evs)]
+    if not out:
+        return list(comparisons)
+    need = min_out_for([min(1.0, sum(out_bound(ev) for ev in evs)) for evs in scored.values()], arl)
+    shifted = need is not None and len(out) >= max(2, need)
+    note = (
+        f"latency out on {len(out)} of {len(scored)} calibrated canaries at once: a backend-wide shift"
+        if shifted
+        else f"latency out on {len(out)} of {len(scored)} calibrated canaries: no drift alone"
+        + (f" (a shift needs {max(2, need)})" if need is not None else " (too few canaries to tell)")
+    )
+    settled = []
+    for c in comparisons:
+        if c.latency is not None and c.latency.out:
+            promote = shifted and not c.verdict.is_drift and c.verdict is not Verdict.ERROR
+            c = replace(c, verdict=Verdict.STACK_CHANGE if promote else c.verdict, reasons=(*c.reasons, note))
+        settled.append(c)
+    return settled
 
 
 @dataclass(frozen=True, slots=True)
@@ -375,7 +409,9 @@ def decide(
     exact-regime change and a sampled canary's two-sample test (already at its own alpha) stand as they
     are. An exact-regime canary raises the alarm when it moves in two
     consecutive cycles with evidence (``state.pending`` carries the first), so one blip cannot latch it.
+    Latency is settled on its own first (`latency_shift`).
     """
+    comparisons = latency_shift(canary_ids, comparisons, arl)
     steps: dict[str, dict[str, Evidence]] = {}
     for cid, c in zip(canary_ids, comparisons, strict=True):
         if c.evidence is not None and c.evidence.e_value is not None:

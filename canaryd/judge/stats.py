@@ -51,11 +51,13 @@ lowering its reasoning effort moves (900 → 300 at the same answer).
 Latency gets a higher bar, because it measures the path to the engine (network, queueing, neighbours'
 load) far more than the engine: it is taken in log seconds (delays multiply), it is out only when it is
 also at least ``LATENCY_RATIO`` times (or 1/``LATENCY_RATIO``) the calibrated median and ``LATENCY_MIN_S``
-away from it (a loopback's milliseconds jitter by multiples), it is never EXACT
-(so one slow probe is held back as ``within-noise`` until the backend's alarm is on: several canaries at
-once, or the e-CUSUM over cycles), and it is never compared at all without a calibration.
+away from it (a loopback's milliseconds jitter by multiples), it is never EXACT, and it is never compared
+at all without a calibration. It stays its own signal (``Comparison.latency``): out alone it changes no
+verdict; only when enough canaries of a backend are out on latency in one cycle (``max(2, m)``, m as for
+the fast path below) are they a ``stack-change`` (`compare.latency_shift`). It never feeds the e-CUSUM,
+so a slow network for an hour cannot add up to an alarm.
 
-Each canary's signals (its logprob or text point, reasoning tokens, latency) are one comparison: the
+Each canary's other signals (its logprob or text point, its reasoning tokens) are one comparison: the
 deciding signal is the out one with the smallest p-value, the p-value is Bonferroni's ``min(1, m·p)``, the
 e-value the mean of the m e-values, and the out bound ``m/(K+1)`` (a union bound).
 

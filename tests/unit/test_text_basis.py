@@ -296,41 +296,75 @@ def _obs(latency: float, text: str = "42") -> Observation:
 
 def test_latency_is_compared_only_against_a_calibration_and_then_with_a_higher_bar():
     base = _obs(0.50)
-    assert compare(base, _obs(5.0), correct=True).verdict is Verdict.IDENTICAL  # uncalibrated: ignored
+    uncalibrated = compare(base, _obs(5.0), correct=True)
+    assert uncalibrated.verdict is Verdict.IDENTICAL and uncalibrated.latency is None
 
     model = fit([_obs(0.45 + 0.01 * i) for i in range(20)])  # 0.45 .. 0.64 s
     assert set(model.signals) == {"latency_s"} and model.basis == "text"
-    slower = compare(base, _obs(0.80), correct=True, noise=model)  # beyond every probe, but not 1.5× slower
-    assert slower.verdict is Verdict.IDENTICAL and not slower.evidence.out
-    assert slower.evidence.detail["signals"]["latency_s"]["p_value"] == pytest.approx(1 / 21)
-    lat = slower.evidence.detail["signals"]["latency_s"]
-    assert lat["statistic"] > (1 + GUARD) * max(model.signals["latency_s"].loo)  # beyond every honest probe
-    fitted = model.signals["latency_s"]  # the bar: 0.5 s over the median (more than 1.5× here)
+    slower = compare(base, _obs(0.80), correct=True, noise=model)  # beyond every probe, but not 0.5 s
+    assert slower.verdict is Verdict.IDENTICAL and not slower.latency.out and slower.reasons == ()
+    assert slower.evidence.method == "exact" and slower.evidence.p_value == 1.0  # the answer's, untouched
+    lat, fitted = slower.latency, model.signals["latency_s"]
+    assert lat.p_value == pytest.approx(1 / 21) and lat.basis == "text"
+    assert lat.statistic > (1 + GUARD) * max(fitted.loo)  # beyond every honest probe ...
     assert math.log(fitted.median_s + LATENCY_MIN_S) - fitted.median > math.log(LATENCY_RATIO)
-    assert lat["threshold"] == pytest.approx(
+    # ... but the bar is 0.5 s over the median (here more than 1.5×)
+    assert lat.threshold == pytest.approx(
         (math.log(fitted.median_s + LATENCY_MIN_S) - fitted.median) / fitted.spread
     )
     # a loopback's milliseconds: ten times slower is still not half a second
     quick = fit([_obs(0.004 + 0.0001 * i) for i in range(20)])
-    assert compare(_obs(0.005), _obs(0.05), correct=True, noise=quick).verdict is Verdict.IDENTICAL
+    assert not compare(_obs(0.005), _obs(0.05), correct=True, noise=quick).latency.out
 
     far = compare(base, _obs(2.0), correct=True, noise=model)
-    assert far.verdict is Verdict.STACK_CHANGE and far.evidence.out and far.basis == "text"
-    assert far.reasons[0].startswith("latency beyond the calibrated spread: latency_s 2 s")
-    # alone, the out latency is held back: it needs the backend's alarm (several canaries, or cycles)
-    settled = decide(["c"], [far], DetectorState(), arl=10_000)
-    assert settled.comparisons[0].verdict is Verdict.NOISE and not settled.state.alarm
-    assert min_out_for([2 / 21], 10_000) is None
+    assert far.verdict is Verdict.IDENTICAL and far.latency.out and not far.evidence.out
+    assert far.reasons[0].startswith(
+        "latency beyond the calibrated spread: latency_s 2 s vs calibrated 0.45..0.64 s"
+    )
+    assert far.as_dict()["latency"]["out"] and far.as_dict()["latency"]["detail"]["value"] == pytest.approx(
+        2.0
+    )
+    alone = decide(["c"], [far], DetectorState(), arl=10_000)  # one canary: never drift on latency
+    assert alone.comparisons[0].verdict is Verdict.IDENTICAL and not alone.state.alarm
+    assert alone.comparisons[0].reasons[-1] == (
+        "latency out on 1 of 1 calibrated canaries: no drift alone (too few canaries to tell)"
+    )
 
 
-def test_a_held_back_latency_outlier_never_hides_a_moved_stack():
+@pytest.mark.parametrize("slow", [3, 4])
+def test_latency_out_on_enough_canaries_at_once_is_a_backend_wide_stack_change(slow):
     model = fit([_obs(0.45 + 0.01 * i) for i in range(20)])
-    base, moved = _obs(0.50), _obs(2.0)
-    base.stack, moved.stack = {"engine.version": "1"}, {"engine.version": "2"}
-    c = compare(base, moved, correct=True, noise=model)
-    assert c.verdict is Verdict.STACK_CHANGE and c.evidence.out and len(c.stack_changes) == 1
-    settled = decide(["c"], [c], DetectorState(), arl=10_000).comparisons[0]
+    ids = [f"c{i}" for i in range(6)]
+    cmps = [compare(_obs(0.5), _obs(2.0 if i < slow else 0.5), correct=True, noise=model) for i in range(6)]
+    assert min_out_for([1 / 21] * 6, 10_000) == 4
+    d = decide(ids, cmps, DetectorState(), arl=10_000)
+    got = [c.verdict for c in d.comparisons]
+    if slow == 4:
+        assert got == [Verdict.STACK_CHANGE] * 4 + [Verdict.IDENTICAL] * 2
+        assert (
+            d.comparisons[0].reasons[-1]
+            == "latency out on 4 of 6 calibrated canaries at once: a backend-wide shift"
+        )
+    else:
+        assert got == [Verdict.IDENTICAL] * 6
+        assert d.comparisons[0].reasons[-1] == (
+            "latency out on 3 of 6 calibrated canaries: no drift alone (a shift needs 4)"
+        )
+    assert not d.state.alarm and d.state.statistic <= 1  # latency never feeds the e-CUSUM
+
+
+def test_a_held_back_drift_never_hides_a_moved_stack():
+    def probe(reasoning: int, version: str) -> Observation:
+        o = _obs(0.5)
+        o.reasoning_tokens, o.stack = reasoning, {"engine.version": version}
+        return o
+
+    model = fit([probe(880 + 2 * i, "1") for i in range(20)])
+    c = compare(probe(900, "1"), probe(300, "2"), correct=True, noise=model)
+    assert c.verdict is Verdict.ANSWER_DRIFT and c.evidence.out and c.evidence.method == "conformal-nn"
+    settled = decide(["c"], [c], DetectorState(), arl=10_000).comparisons[0]  # one canary: held back ...
     assert settled.verdict is Verdict.STACK_CHANGE and settled.reasons[0].startswith("out alone: 1 of 1")
+    assert len(settled.stack_changes) == 1  # ... as the stack change it also is, not as within-noise
 
 
 def test_an_uncalibrated_answer_change_beside_calibrated_signals_is_never_held_back():
