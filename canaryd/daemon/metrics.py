@@ -439,7 +439,9 @@ class Metrics:
                 continue
             self.duration.labels(b).observe(obs.latency_s)
             d = cmp.delta
-            if d is not None:
+            if cmp.basis == "text":  # no logprobs moved or not: no series, not a 0 that reads "none moved"
+                p.delta = None
+            elif d is not None:
                 p.delta = max(d.max_abs_dlogprob or 0.0, d.max_abs_dtop or 0.0)
             elif cmp.verdict is Verdict.BASELINE:
                 p.delta = 0.0
