@@ -9,18 +9,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from canaryd.judge.signals import combine, score_signals
 from canaryd.judge.stats import (
     DetectorState,
     Evidence,
     NoiseModel,
-    combine,
     common_prefix,
     cusum,
     cycle_evalue,
     min_out_for,
     out_bound,
     score,
-    score_signals,
 )
 from canaryd.judge.verdicts import Verdict
 from canaryd.observation import ErrorKind, Observation, TokenLogprob, tokens_problem

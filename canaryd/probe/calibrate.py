@@ -25,7 +25,8 @@ from canaryd.canaries import Canary
 from canaryd.config import Config
 from canaryd.errors import EXIT_DRIFT, EXIT_OK, EXIT_UNAVAILABLE, InputError
 from canaryd.judge.compare import basis_of
-from canaryd.judge.stats import CalibrationError, NoiseModel, fit, score, score_signals
+from canaryd.judge.signals import score_signals
+from canaryd.judge.stats import CalibrationError, NoiseModel, fit, score
 from canaryd.observation import Observation, tokens_problem
 from canaryd.probe.shapes import shape_of
 from canaryd.store import Store, open_store
