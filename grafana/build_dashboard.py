@@ -717,7 +717,7 @@ def build_panels(ids: Ids) -> list[tuple[str, list]]:
             "(canaryd_backend_drift_evidence): about 1 or below while honest; the alarm is raised when it "
             "reaches [compare] arl. Only after `canaryd baseline calibrate`.",
             "short",
-            16,
+            8,
             8,
             [query("A", f"max by (backend) (canaryd_backend_drift_evidence{{{BACKEND}}})", "{{backend}}")],
         ),
@@ -731,6 +731,21 @@ def build_panels(ids: Ids) -> list[tuple[str, list]]:
             8,
             [query("A", f"max by (backend) (canaryd_backend_drift_alarm{{{BACKEND}}})", "{{backend}}")],
             bool_mappings("alarm", "quiet", false_color="green", true_color="red"),
+        ),
+        series_panel(
+            ids,
+            "Canaries judged on text",
+            "Canaries whose last answer was judged on text alone, without logprobs "
+            "(canaryd_backend_text_basis_canaries): their verdicts rest on text, usage and stack. A rise "
+            "on a backend that had logprobs means it stopped returning them.",
+            "short",
+            8,
+            8,
+            [
+                query(
+                    "A", f"max by (backend) (canaryd_backend_text_basis_canaries{{{BACKEND}}})", "{{backend}}"
+                )
+            ],
         ),
     ]
     cost = [

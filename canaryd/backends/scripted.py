@@ -17,6 +17,13 @@ deterministic engine. ``changes`` script what moves and when, counted in cycles 
 Without an answer a canary gets its ``expect.answer`` (else ``ok``). ``noise`` adds Gaussian noise to
 every logprob of every attempt (a non-exact engine); ``distribution`` gives a sampled canary (temperature
 > 0) weighted answers, drawn from its seed when it has one.
+
+``logprobs = false`` answers without logprobs (Anthropic's or Gemini's OpenAI-compatible endpoints, most
+OpenRouter providers): the observation is judged on text, unless ``require_logprobs = true`` (as a profile
+with ``request.logprobs = "require"``) makes it a ``no_logprobs`` error. ``reasoning_tokens`` (all
+canaries, or by canary id) reports hidden reasoning as OpenAI-style usage does (counted in
+``completion_tokens`` too), each attempt drawn within ± ``reasoning_jitter`` of it; a change's
+``reasoning_tokens`` replaces it (a provider silently lowering reasoning effort).
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ class Change(Strict):
     prompt_tokens_delta: int = 0  # e.g. a hidden system prompt
     logprobs: bool | None = None  # False: answers carry no logprobs
     refuse: Literal[refusals.PARAMS] | None = None  # an HTTP 400 unsupported_parameter on this parameter
+    reasoning_tokens: Annotated[int, Field(ge=0)] | None = None  # the hidden reasoning tokens, replaced
     error: ErrorKind | None = None  # every attempt fails so ...
     fail_attempts: Annotated[int, Field(ge=0)] | None = None  # ... or only the first N of each probe
     down: bool = False  # the snapshot fails: the backend is unreachable
@@ -75,6 +83,10 @@ class Settings(BackendSettings):
     noise: Annotated[float, Field(ge=0)] = 0.0
     seed: int = 0
     latency_s: Annotated[float, Field(ge=0, le=60)] = 0.0
+    logprobs: bool = True  # False: every answer comes without logprobs
+    require_logprobs: bool = False  # an answer without logprobs is a `no_logprobs` error
+    reasoning_tokens: Annotated[int, Field(ge=0)] | dict[str, Annotated[int, Field(ge=0)]] | None = None
+    reasoning_jitter: Annotated[int, Field(ge=0)] = 0
     changes: tuple[Change, ...] = ()
     # Where the cycle count persists, so that separate `canaryd check` processes count on (default: the
     # count lives in the process, from 0).
@@ -166,14 +178,25 @@ class Prober:
         obs.finish_reason = "length" if len(chars) < len(text) else "stop"
         prompt = canary.prompt or "".join(m.content for m in canary.messages or ())
         obs.prompt_tokens = len(prompt) + sum(c.prompt_tokens_delta for c in active)
-        obs.completion_tokens = len(chars)
+        obs.reasoning_tokens = self._reasoning(canary.id, active, rng)
+        obs.completion_tokens = len(chars) + (obs.reasoning_tokens or 0)
         fingerprint = next((c.fingerprint for c in reversed(active) if c.fingerprint), self.cfg.fingerprint)
         obs.system_fingerprint, obs.response_model = fingerprint, self.cfg.model
         obs.stack = {"response.model": self.cfg.model, "response.system_fingerprint": fingerprint}
-        if any(c.logprobs is False for c in active):
-            obs.tokens = []
-            obs.error_kind, obs.error = ErrorKind.NO_LOGPROBS, "response carries no logprobs"
+        logprobs = next((c.logprobs for c in reversed(active) if c.logprobs is not None), self.cfg.logprobs)
+        if not logprobs:
+            obs.tokens, obs.has_logprobs = [], False
+            if self.cfg.require_logprobs:
+                obs.error_kind, obs.error = ErrorKind.NO_LOGPROBS, "response carries no logprobs"
         return obs
+
+    def _reasoning(self, canary_id: str, active: list[Change], rng: random.Random) -> int | None:
+        base = self.cfg.reasoning_tokens
+        n = base.get(canary_id) if isinstance(base, dict) else base
+        n = next((c.reasoning_tokens for c in reversed(active) if c.reasoning_tokens is not None), n)
+        if n is None or not self.cfg.reasoning_jitter:
+            return n
+        return max(0, n + rng.randint(-self.cfg.reasoning_jitter, self.cfg.reasoning_jitter))
 
     def _answer(self, canary: Canary, active: list[Change], draw: int) -> str:
         scripted = next((c.text for c in reversed(active) if c.text is not None), None)

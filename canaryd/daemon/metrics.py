@@ -287,6 +287,13 @@ class Metrics:
             "1 once the backend's calibrated evidence says it changed, until recalibrated or accepted.",
             b,
         )
+        self.text_basis = self._new(
+            per_pass,
+            Gauge,
+            "canaryd_backend_text_basis_canaries",
+            "Canaries whose last answer was judged on text alone (no logprobs on it or its baseline).",
+            b,
+        )
         self.reachable = self._new(
             per_pass,
             Gauge,
@@ -470,13 +477,21 @@ class Metrics:
                 continue
             self.duration.labels(b).observe(obs.latency_s)
             d = cmp.delta
-            if d is not None:
+            if cmp.basis == "text":  # no logprobs moved or not: no series, not a 0 that reads "none moved"
+                p.delta = None
+            elif d is not None:
                 p.delta = max(d.max_abs_dlogprob or 0.0, d.max_abs_dtop or 0.0)
             elif cmp.verdict is Verdict.BASELINE:
                 p.delta = 0.0
             if obs.system_fingerprint:  # by digest: a window of 1 MB fingerprints must not fill memory
                 self._fingerprints.setdefault(b, deque()).append((now, _digest(obs.system_fingerprint)))
         if not run.unavailable:  # an unreachable backend keeps its last evidence
+            on_text = {
+                r.observation.canary_id
+                for r in run.results
+                if r.observation.ok and r.comparison.basis == "text"
+            }
+            self.text_basis.labels(b).set(len(on_text))
             state = run.detector or DetectorState()
             self.e_cusum.labels(b).set(state.statistic)
             self.alarm.labels(b).set(1 if state.alarm else 0)

@@ -9,10 +9,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from canaryd.judge.signals import combine, score_signals
 from canaryd.judge.stats import (
     DetectorState,
     Evidence,
     NoiseModel,
+    common_prefix,
     cusum,
     cycle_evalue,
     min_out_for,
@@ -23,7 +25,18 @@ from canaryd.judge.verdicts import Verdict
 from canaryd.observation import ErrorKind, Observation, TokenLogprob, tokens_problem
 from canaryd.stack import FieldChange, diff
 
-__all__ = ["Comparison", "Decision", "Evidence", "TokenDelta", "Verdict", "compare", "decide", "token_delta"]
+__all__ = [
+    "Comparison",
+    "Decision",
+    "Evidence",
+    "TokenDelta",
+    "Verdict",
+    "basis_of",
+    "compare",
+    "decide",
+    "text_delta",
+    "token_delta",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,10 +64,15 @@ class Comparison:
     reasons: tuple[str, ...] = field(default=())
     evidence: Evidence | None = None
     first_diverged_step: str | None = None  # a chain's final step: the first step whose output moved
+    # what the comparison rests on: "logprobs", or "text" (an answer or its baseline carried no logprobs:
+    # text, usage, fingerprint and stack only; ``delta.first_divergence`` then counts characters)
+    basis: str = "logprobs"
+    latency: Evidence | None = None  # the calibrated latency signal, its own (see `decide`)
 
     def as_dict(self) -> dict:
         return {
             "verdict": self.verdict.value,
+            "basis": self.basis,
             "correct": self.correct,
             "baseline_correct": self.baseline_correct,
             "text_identical": self.text_identical,
@@ -76,6 +94,7 @@ class Comparison:
             "reasons": list(self.reasons),
             "evidence": None if self.evidence is None else self.evidence.as_dict(),
             "first_diverged_step": self.first_diverged_step,
+            "latency": None if self.latency is None else self.latency.as_dict(),
         }
 
 
@@ -109,6 +128,44 @@ def token_delta(base: list[TokenLogprob], cur: list[TokenLogprob]) -> TokenDelta
     )
 
 
+def text_delta(base: str, cur: str) -> TokenDelta:
+    """Where two answers without logprobs part, in characters (no logprob figures)."""
+    n = common_prefix(base, cur)
+    return TokenDelta(None if base == cur else n, n, None, None, None, None)
+
+
+def basis_of(*observations: Observation) -> str:
+    """ "logprobs" when every one carried per-token logprobs, else "text" (text, usage and stack only)."""
+    return "logprobs" if all(o.has_logprobs for o in observations) else "text"
+
+
+def _prompt_changed(baseline: Observation, current: Observation) -> bool:
+    counts = baseline.prompt_tokens, current.prompt_tokens
+    return None not in counts and counts[0] != counts[1]
+
+
+def _usage_changes(baseline: Observation, current: Observation, text_basis: bool) -> list[str]:
+    """Usage counts that moved although nothing else explains it: the prompt's tokens (a hidden system
+    prompt, another template or tokenizer), on the text basis the visible completion tokens of the same
+    text, and whether reasoning tokens are reported at all."""
+    out = []
+    if _prompt_changed(baseline, current):
+        out.append(f"prompt tokens {baseline.prompt_tokens} -> {current.prompt_tokens}")
+    seen = _visible(baseline), _visible(current)
+    if text_basis and baseline.text == current.text and None not in seen and seen[0] != seen[1]:
+        out.append(f"completion tokens {seen[0]} -> {seen[1]} for the same text")
+    if (baseline.reasoning_tokens is None) != (current.reasoning_tokens is None):
+        out.append(f"reasoning tokens {baseline.reasoning_tokens} -> {current.reasoning_tokens}")
+    return out
+
+
+def _visible(obs: Observation) -> int | None:
+    """Completion tokens net of hidden reasoning (which OpenAI-style usage counts among them)."""
+    if obs.completion_tokens is None:
+        return None
+    return obs.completion_tokens - (obs.reasoning_tokens or 0)
+
+
 def compare(
     baseline: Observation | None,
     current: Observation,
@@ -125,81 +182,132 @@ def compare(
     request, whether something moved *beyond noise* is decided by `stats.score` (its evidence rides on the
     comparison) instead of by ``logprob_tolerance``.
 
+    The **basis** is what the comparison rests on: ``logprobs`` when both answers carried them, else
+    ``text`` (an answer without logprobs is still an observation): correctness, the text (its first
+    divergence in characters), prompt, visible completion and reasoning tokens, fingerprint and stack, and
+    with a calibration the reasoning tokens' and latency's spread. A basis change alone (logprobs then
+    none, or the reverse) is no drift: the pair is judged on text, and a reason says so. Reasoning tokens
+    that moved without a calibration are ``answer-drift`` (hidden generated tokens differ, as a token does);
+    latency is compared only against a calibration, and is its own signal (``latency``): out alone it
+    changes no verdict here; `decide` makes it a ``stack-change`` when enough canaries of the backend
+    are out on latency in the same cycle.
+
     Unusable logprobs (NaN, ±inf, above 0, absurdly negative: `canaryd.observation.logprob_problem`) are
     never compared: in ``current`` they are an error; a ``baseline`` with them (stored by an older version)
     is refused, and ``current`` becomes the baseline (a ``baseline`` verdict, with the reason).
     """
+    own = basis_of(current)
     if not current.ok:
-        return Comparison(Verdict.ERROR, None, reasons=(f"{current.error_kind}: {current.error}",))
+        return Comparison(Verdict.ERROR, None, reasons=(f"{current.error_kind}: {current.error}",), basis=own)
     if (bad := tokens_problem(current.tokens)) is not None:  # the probe pass vets answers; callers may not
-        return Comparison(Verdict.ERROR, None, reasons=(f"{ErrorKind.INVALID_RESPONSE}: {bad}",))
+        return Comparison(Verdict.ERROR, None, reasons=(f"{ErrorKind.INVALID_RESPONSE}: {bad}",), basis=own)
     if baseline is None:
         return Comparison(
-            Verdict.BASELINE, correct, reasons=("no baseline yet: this observation becomes it",)
+            Verdict.BASELINE, correct, reasons=("no baseline yet: this observation becomes it",), basis=own
         )
     if (bad := tokens_problem(baseline.tokens)) is not None:  # stored by a version that did not vet them
         return Comparison(
             Verdict.BASELINE,
             correct,
             reasons=(f"stored baseline refused ({bad}): this observation replaces it",),
+            basis=own,
         )
     if baseline.request_hash != current.request_hash:
         return Comparison(
-            Verdict.BASELINE, correct, reasons=("canary request changed since the baseline: new baseline",)
+            Verdict.BASELINE,
+            correct,
+            reasons=("canary request changed since the baseline: new baseline",),
+            basis=own,
         )
 
-    delta = token_delta(baseline.tokens, current.tokens)
+    basis = basis_of(baseline, current)
+    text_basis = basis == "text"
+    delta = (
+        text_delta(baseline.text or "", current.text or "")
+        if text_basis
+        else token_delta(baseline.tokens, current.tokens)
+    )
     text_identical = baseline.text == current.text
     stack_changes = tuple(diff(baseline.stack, current.stack))
     fingerprint_changed = baseline.system_fingerprint != current.system_fingerprint
-    prompt_changed = (
-        baseline.prompt_tokens is not None
-        and current.prompt_tokens is not None
-        and baseline.prompt_tokens != current.prompt_tokens
-    )
+    usage = _usage_changes(baseline, current, text_basis)
     reasons: list[str] = []
+    if baseline.has_logprobs != current.has_logprobs:
+        reasons.append(
+            "the baseline has logprobs, this answer none: judged on text"
+            if baseline.has_logprobs
+            else "the baseline has no logprobs: judged on text"
+        )
     if stack_changes:
         reasons.append(f"stack changed ({len(stack_changes)} field{'s' if len(stack_changes) > 1 else ''})")
-    if prompt_changed:
-        reasons.append(f"prompt tokens {baseline.prompt_tokens} -> {current.prompt_tokens}")
+    reasons.extend(usage)
 
     tokens_same = delta.first_divergence is None and text_identical
     moved = max(delta.max_abs_dlogprob or 0.0, delta.max_abs_dtop or 0.0)
     topk_changed = delta.topk_overlap is not None and delta.topk_overlap < 1.0
-    evidence = None
+    reasoning = (baseline.reasoning_tokens, current.reasoning_tokens)
+    reasoning_moved = None not in reasoning and reasoning[0] != reasoning[1]
+    point_ev, signals = None, {}
     if noise is not None and noise.request_hash == current.request_hash:
-        evidence = score(noise, current)
-        beyond_noise = evidence.out
+        if noise.basis == basis:
+            point_ev = score(noise, current)
+        else:
+            reasons.append(
+                f"calibrated on {noise.basis}, compared on {basis}: the answer judged uncalibrated"
+            )
+        signals = {ev.detail["signal"]: ev for ev in score_signals(noise, current)}
+    elif noise is not None:
+        reasons.append("calibration is for an older request of this canary: run `baseline calibrate`")
+    latency_ev = signals.pop("latency_s", None)
+    scored = [ev for ev in (point_ev, *signals.values()) if ev is not None]
+    evidence = replace(combine(scored), basis=basis) if scored else None
+
+    if point_ev is not None:
+        answer_beyond = point_ev.out
     else:
-        if noise is not None:
-            reasons.append("calibration is for an older request of this canary: run `baseline calibrate`")
         # A top-k membership swap is itself a logprob move; with a tolerance set it may be boundary noise.
         topk_changed = topk_changed and logprob_tolerance == 0
-        beyond_noise = (
+        answer_beyond = (
             not tokens_same
             or moved > logprob_tolerance
             or topk_changed
             or (bool(baseline_correct) and correct is False)
         )
+    if point_ev is None and answer_beyond:  # drift on the answer alone, which no calibration covers: the
+        evidence = None  # signals' evidence must not let the cycle's decision hold it back as noise
+    reasoning_ev = signals.get("reasoning_tokens")
+    reasoning_beyond = reasoning_ev.out if reasoning_ev is not None else reasoning_moved
+    if latency_ev is not None and latency_ev.out:
+        reasons.append(_evidence_reason(latency_ev, "latency beyond the calibrated spread"))
 
-    if not beyond_noise:
-        if stack_changes or prompt_changed:  # the stack moved under a probe within noise: still say so
+    if not (answer_beyond or reasoning_beyond):
+        if stack_changes or usage:  # the stack moved under a probe within noise: still say so
             verdict = Verdict.STACK_CHANGE
-        elif evidence is not None and (not tokens_same or moved > 0 or topk_changed):
+        elif evidence is not None and (not tokens_same or moved > 0 or topk_changed or reasoning_moved):
             verdict = Verdict.NOISE
             reasons.insert(0, _evidence_reason(evidence, "within the calibrated noise"))
         else:
             verdict = Verdict.IDENTICAL
-    elif baseline_correct and correct is False:
+    elif answer_beyond and baseline_correct and correct is False:
         verdict = Verdict.REGRESSION
         reasons.insert(0, "was correct, now wrong")
-    elif not tokens_same:
+    elif answer_beyond and not tokens_same:
         verdict = Verdict.ANSWER_DRIFT
         where = delta.first_divergence if delta.first_divergence is not None else delta.common_prefix
-        reasons.insert(0, f"tokens differ from index {where}")
-    elif evidence is not None:
-        verdict = Verdict.LOGPROB_DRIFT
-        reasons.insert(0, _evidence_reason(evidence, "beyond the calibrated noise"))
+        unit = "character" if text_basis else "index"
+        reasons.insert(0, f"{'text' if text_basis else 'tokens'} differ from {unit} {where}")
+    elif reasoning_beyond:
+        verdict = Verdict.ANSWER_DRIFT
+        what = f"hidden reasoning tokens {reasoning[0]} -> {reasoning[1]}"
+        reasons.insert(
+            0,
+            _evidence_reason(reasoning_ev, f"{what}, beyond the calibrated spread")
+            if reasoning_ev is not None
+            else f"{what} (uncalibrated: `baseline calibrate` learns their spread)",
+        )
+    elif answer_beyond and point_ev is not None:
+        verdict = Verdict.ANSWER_DRIFT if text_basis else Verdict.LOGPROB_DRIFT
+        reasons.insert(0, _evidence_reason(point_ev, "beyond the calibrated noise"))
     else:
         verdict = Verdict.LOGPROB_DRIFT
         reasons.insert(
@@ -213,22 +321,64 @@ def compare(
         baseline_correct=baseline_correct,
         text_identical=text_identical,
         delta=delta,
-        prompt_tokens_changed=prompt_changed,
+        prompt_tokens_changed=_prompt_changed(baseline, current),
         fingerprint_changed=fingerprint_changed,
         stack_changes=stack_changes,
         reasons=tuple(reasons),
         evidence=evidence,
+        basis=basis,
+        latency=None if latency_ev is None else replace(latency_ev, basis=basis),
     )
 
 
 def _evidence_reason(evidence: Evidence | None, what: str) -> str:
     if evidence is None:
         return what
+    if (signal := evidence.detail.get("signal")) is not None:
+        low, high = evidence.detail["calibrated_range"]
+        unit = " s" if signal == "latency_s" else ""
+        return (
+            f"{what}: {signal} {evidence.detail['value']:.4g}{unit} "
+            f"vs calibrated {low:.4g}..{high:.4g}{unit} "
+            f"(D {evidence.statistic:.3g} vs threshold {evidence.threshold:.3g}, {evidence.method}, "
+            f"p {evidence.p_value:.3g})"
+        )
     return (
         f"{what}: D {evidence.statistic:.3g} vs threshold {evidence.threshold:.3g} "
         f"({evidence.method}, p {evidence.p_value:.3g}, max |Δ logprob| "
         f"{evidence.detail.get('max_abs_dlogprob', 0.0):.3g})"
     )
+
+
+def latency_shift(
+    canary_ids: Sequence[str], comparisons: Sequence[Comparison], arl: float
+) -> list[Comparison]:
+    """Latency's higher bar: a canary out on latency is a ``stack-change`` (the same answers, served
+    differently) only when at least ``max(2, min_out_for(...))`` calibrated canaries of the backend are out
+    on latency in the same cycle, a shift of the whole backend; out alone it is a reason, never drift.
+    It does not feed the e-CUSUM: a slow network for an hour must not add up to an alarm."""
+    scored: dict[str, list[Evidence]] = {}
+    for cid, c in zip(canary_ids, comparisons, strict=True):
+        if c.latency is not None:
+            scored.setdefault(cid.partition(":")[0], []).append(c.latency)
+    out = [q for q, evs in scored.items() if any(ev.out for ev in evs)]
+    if not out:
+        return list(comparisons)
+    need = min_out_for([min(1.0, sum(out_bound(ev) for ev in evs)) for evs in scored.values()], arl)
+    shifted = need is not None and len(out) >= max(2, need)
+    note = (
+        f"latency out on {len(out)} of {len(scored)} calibrated canaries at once: a backend-wide shift"
+        if shifted
+        else f"latency out on {len(out)} of {len(scored)} calibrated canaries: no drift alone"
+        + (f" (a shift needs {max(2, need)})" if need is not None else " (too few canaries to tell)")
+    )
+    settled = []
+    for c in comparisons:
+        if c.latency is not None and c.latency.out:
+            promote = shifted and not c.verdict.is_drift and c.verdict is not Verdict.ERROR
+            c = replace(c, verdict=Verdict.STACK_CHANGE if promote else c.verdict, reasons=(*c.reasons, note))
+        settled.append(c)
+    return settled
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,10 +404,13 @@ def decide(
     evidence, and a chain's steps (``id:step``, whose inputs depend on each other) are one canary, out when
     any step is out, its chance of that bounded by the sum of its steps' (a union bound), its e-value the
     mean of theirs. ``min_out`` None: derived from ``arl`` (`min_out_for`). Only ``conformal-nn`` drift is
-    held back as ``within-noise``; an exact-regime change and a sampled canary's two-sample test (already
-    at its own alpha) stand as they are. An exact-regime canary raises the alarm when it moves in two
+    held back as ``within-noise`` (as ``stack-change`` when the stack or prompt tokens moved too); an
+    exact-regime change and a sampled canary's two-sample test (already at its own alpha) stand as they
+    are. An exact-regime canary raises the alarm when it moves in two
     consecutive cycles with evidence (``state.pending`` carries the first), so one blip cannot latch it.
+    Latency is settled on its own first (`latency_shift`).
     """
+    comparisons = latency_shift(canary_ids, comparisons, arl)
     steps: dict[str, dict[str, Evidence]] = {}
     for cid, c in zip(canary_ids, comparisons, strict=True):
         if c.evidence is not None and c.evidence.e_value is not None:
@@ -288,6 +441,8 @@ def decide(
                 f"out alone: {len(out)} of {len(steps)} calibrated canaries out ({needs}), "
                 f"e-CUSUM {m:.3g} < {arl:g}"
             )
-            c = replace(c, verdict=Verdict.NOISE, reasons=(why, *c.reasons))
+            # a moved stack or prompt is a fact, not a statistic: held back, it is still said
+            held = Verdict.STACK_CHANGE if c.stack_changes or c.prompt_tokens_changed else Verdict.NOISE
+            c = replace(c, verdict=held, reasons=(why, *c.reasons))
         settled.append(c)
     return Decision(settled, new_state, e, out)

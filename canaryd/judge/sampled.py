@@ -48,6 +48,10 @@ smaller), its statistic and the critical value it had to exceed (statistic > thr
 the Bonferroni-adjusted p-value ``min(1, 2·min(p_answers, p_logprob))`` and the e-value ``κ·p^(κ−1)``
 (κ = 0.5, `canaryd.judge.stats.p_to_e`), so a sampled canary's evidence combines with the rest of canaryd.
 
+**Without logprobs** (a backend that returns none, on either side): the answer test and the correctness
+intervals run on the text alone, the logprob test has nothing to compare (its p-value is 1), and the
+comparison's basis is ``text``.
+
 Changing only n keeps the baseline: ``samples`` is not a request field (the request hash covers what the
 server sees, seed + i included, and sample 0 carries the canary's own seed), the tests accept unequal n, and
 raising n for more power should not throw the history away. ``canaryd baseline accept`` re-baselines.
@@ -63,7 +67,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from canaryd.canaries import Expect
-from canaryd.judge.compare import Comparison, Evidence, Verdict
+from canaryd.judge.compare import Comparison, Evidence, Verdict, basis_of
 from canaryd.judge.stats import p_to_e
 from canaryd.observation import Observation, tokens_problem
 from canaryd.stack import diff, merge_stacks
@@ -305,15 +309,26 @@ def compare_samples(
     if not now:
         last = current[-1] if current else None
         why = f"{last.error_kind}: {last.error}" if last else "no samples"
-        return Comparison(Verdict.ERROR, None, reasons=(f"all {len(current)} samples failed ({why})",))
+        return Comparison(
+            Verdict.ERROR,
+            None,
+            reasons=(f"all {len(current)} samples failed ({why})",),
+            basis=basis_of(*current),
+        )
     base = [o for o in baseline if o.ok]
     if not base:
         return Comparison(
-            Verdict.BASELINE, None, reasons=(f"no baseline yet: these {len(now)} samples become it",)
+            Verdict.BASELINE,
+            None,
+            reasons=(f"no baseline yet: these {len(now)} samples become it",),
+            basis=basis_of(*now),
         )
     if baseline[0].request_hash != current[0].request_hash:
         return Comparison(
-            Verdict.BASELINE, None, reasons=("canary request changed since the baseline: new baseline",)
+            Verdict.BASELINE,
+            None,
+            reasons=("canary request changed since the baseline: new baseline",),
+            basis=basis_of(*now),
         )
     refused = next(
         (f"sample {i}: {bad}" for i, o in enumerate(base) if (bad := tokens_problem(o.tokens))), None
@@ -323,7 +338,9 @@ def compare_samples(
             Verdict.BASELINE,
             None,
             reasons=(f"stored baseline refused ({refused}): these samples replace it",),
+            basis=basis_of(*now),
         )
+    basis = basis_of(*base, *now)
 
     level = alpha / 2  # Bonferroni over the two tests
     answers = answer_test(
@@ -362,6 +379,8 @@ def compare_samples(
     reasons.append(
         f"answers TV {answers.statistic:.3g} (p {answers.p_value:.2g}, bar {answers.threshold:.3g})"
     )
+    if basis == "text":
+        reasons.append("no logprobs: answers judged on text alone")
     if lp.difference is not None:
         reasons.append(
             f"logprobs of {lp.shared} shared completions moved {lp.test.statistic:.3g} nats/token "
@@ -431,5 +450,6 @@ def compare_samples(
         fingerprint_changed=fingerprints[0] != fingerprints[1],
         stack_changes=stack_changes,
         reasons=tuple(reasons),
-        evidence=Evidence(method, deciding.statistic, deciding.threshold, p, p_to_e(p), detail),
+        evidence=Evidence(method, deciding.statistic, deciding.threshold, p, p_to_e(p), detail, basis),
+        basis=basis,
     )

@@ -39,6 +39,9 @@ outside the EXACT regime one out canary is only a drift verdict when the backend
   approximate (recalibrating after a stack change renews it). It catches small persistent shifts no
   single cycle proves.
 
+**Signals beyond logprobs**: the same K probes calibrate each canary's reasoning tokens and latency
+(`canaryd.judge.signals`, whose docstring gives their rules).
+
 A chain's steps count as one canary (their inputs depend on each other): out if any step is, with the
 sum of the steps' bounds, and the mean of their e-values. A sampled canary's two-sample test decides at
 its own alpha and is never held back.
@@ -60,8 +63,12 @@ import statistics
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from canaryd.observation import Observation, logprob_problem, tokens_problem
+
+if TYPE_CHECKING:
+    from canaryd.judge.signals import SignalFit
 
 S_FLOOR = 1e-6  # nats: below the float32 resolution of a logprob's magnitude, so only real change counts
 GUARD = 0.2  # the margin over the largest honest leave-one-out distance
@@ -91,6 +98,7 @@ class Evidence:
     p_value: float | None = None
     e_value: float | None = None
     detail: dict = field(default_factory=dict)  # method-specific figures (rates, intervals, counts)
+    basis: str = "logprobs"  # "text": the answers compared carried no logprobs (text, usage and stack only)
 
     @property
     def out(self) -> bool:
@@ -105,6 +113,7 @@ class Evidence:
             "p_value": self.p_value,
             "e_value": self.e_value,
             "out": self.out,
+            "basis": self.basis,
             **({"detail": self.detail} if self.detail else {}),
         }
 
@@ -143,8 +152,8 @@ def point(obs: Observation) -> Point:
         for tok, lp in t.top:
             coords[(i, tok)] = lp
         coords[(i, t.token)] = t.logprob
-    if not obs.tokens and obs.text is not None:  # a backend without logprobs: identity is the text
-        ids = [obs.text]
+    if not obs.has_logprobs or (not obs.tokens and obs.text is not None):  # identity is the text
+        ids, coords = [obs.text or ""], {}
     return Point(tuple(ids), coords)
 
 
@@ -181,6 +190,9 @@ def robust_spread(values: Sequence[float]) -> float:
     return max(1.4826 * mad, (max(values) - min(values)) / 4, S_FLOOR)
 
 
+SIGNALS = ("reasoning_tokens", "latency_s")  # calibrated beside the logprobs (canaryd.judge.signals)
+
+
 @dataclass(frozen=True, slots=True)
 class NoiseModel:
     """What K honest probes of one canary × backend look like; `score` judges a new probe against it."""
@@ -190,10 +202,13 @@ class NoiseModel:
     spread: Mapping[Key, float]
     default_spread: float
     loo: tuple[float, ...]  # each probe's distance to its nearest other probe
+    # the K probes' reasoning tokens and latency (seconds), when every probe had them
+    signal_values: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
     # derived from refs once (hashing every coordinate is most of what scoring would cost)
     signatures: int = field(init=False)
     completions: Counter[str] = field(init=False)
     regime: Regime = field(init=False)
+    signals: dict[str, SignalFit] = field(init=False)  # the signal_values fitted
 
     def __post_init__(self) -> None:
         n = len({r.signature for r in self.refs})
@@ -201,6 +216,18 @@ class NoiseModel:
         object.__setattr__(self, "signatures", n)
         object.__setattr__(self, "completions", Counter(r.completion for r in self.refs))
         object.__setattr__(self, "regime", regime)
+        from canaryd.judge.signals import SignalFit  # it scores with this module's rules
+
+        fits = {
+            name: SignalFit(name, tuple(math.log(v) for v in vs) if name == "latency_s" else tuple(vs))
+            for name, vs in self.signal_values.items()
+        }
+        object.__setattr__(self, "signals", fits)
+
+    @property
+    def basis(self) -> str:
+        """ "text" when the K probes carried no logprobs (each point is its text alone)."""
+        return "logprobs" if any(r.coords for r in self.refs) else "text"
 
     @property
     def k(self) -> int:
@@ -241,6 +268,8 @@ class NoiseModel:
             "spread_max": spreads[-1] if spreads else 0.0,
             "loo_max": max(self.loo),
             "threshold": self.threshold,
+            "basis": self.basis,
+            **{name: fit.summary() for name, fit in self.signals.items()},
         }
 
     def as_dict(self) -> dict:
@@ -250,6 +279,7 @@ class NoiseModel:
             "spread": [[p, t, s] for (p, t), s in sorted(self.spread.items())],
             "default_spread": self.default_spread,
             "loo": list(self.loo),
+            "signals": {name: list(vs) for name, vs in self.signal_values.items()},
         }
 
     @classmethod
@@ -262,6 +292,7 @@ class NoiseModel:
             spread={(int(p), str(t)): float(s) for p, t, s in doc["spread"]},
             default_spread=float(doc["default_spread"]),
             loo=tuple(float(x) for x in doc["loo"]),
+            signal_values=_signal_values(doc.get("signals") or {}),  # absent: calibrated by an older version
         )
         for i, ref in enumerate(model.refs):
             for (pos, tok), v in ref.coords.items():
@@ -273,6 +304,22 @@ class NoiseModel:
         if not model.loo or not all(math.isfinite(v) and v >= 0 for v in model.loo):
             raise CalibrationError("a leave-one-out distance is not a finite number >= 0")
         return model
+
+
+def _signal_values(doc: Mapping) -> dict[str, tuple[float, ...]]:
+    out = {}
+    for name, values in doc.items():
+        if name not in SIGNALS:
+            raise CalibrationError(f"signals: unknown signal {name!r}")
+        vs = tuple(float(v) for v in values)
+        if (
+            len(vs) < 2
+            or not all(math.isfinite(v) and v >= 0 for v in vs)
+            or (name == "latency_s" and 0 in vs)
+        ):
+            raise CalibrationError(f"signals.{name}: not at least 2 finite values >= 0")
+        out[name] = vs
+    return out
 
 
 def _quantile(sorted_values: Sequence[float], q: float) -> float:
@@ -305,7 +352,13 @@ def fit(observations: Sequence[Observation]) -> NoiseModel:
     loo = tuple(
         min(distance(r, o, spread, default) for j, o in enumerate(refs) if j != i) for i, r in enumerate(refs)
     )
-    return NoiseModel(ok[0].request_hash, refs, spread, default, loo)
+    signals: dict[str, tuple[float, ...]] = {}
+    reasoning = [o.reasoning_tokens for o in ok]
+    if all(r is not None for r in reasoning):
+        signals["reasoning_tokens"] = tuple(float(r) for r in reasoning)  # type: ignore[arg-type]
+    if all(o.latency_s > 0 for o in ok):
+        signals["latency_s"] = tuple(o.latency_s for o in ok)
+    return NoiseModel(ok[0].request_hash, refs, spread, default, loo, signals)
 
 
 def p_to_e(p: float) -> float:
@@ -364,8 +417,11 @@ class DetectorState:
 
 
 def out_bound(ev: Evidence) -> float:
-    """An upper bound on P(out | no change) for one canary: 1/(K+1) calibrated, alpha for a sampled one."""
-    return 1 / (ev.detail["k"] + 1) if "k" in ev.detail else float(ev.detail["alpha"])
+    """An upper bound on P(out | no change) for one canary: m/(K+1) calibrated (m signals scored, a union
+    bound), alpha for a sampled one."""
+    if "k" in ev.detail:
+        return min(1.0, ev.detail.get("signals_scored", 1) / (ev.detail["k"] + 1))
+    return float(ev.detail["alpha"])
 
 
 def min_out_for(bounds: Sequence[float], arl: float) -> int | None:

@@ -7,8 +7,10 @@ every later comparison uses. A chained canary is run K times in sequence (its st
 other's outputs) and each step gets its own model; sampled canaries need none (their comparison is a
 two-sample test). Calibrating restarts the backend's e-CUSUM detector.
 
-A calibration must not launder a change: when the canary's baseline lies outside the noise just measured,
-the stack moved since the baseline, and that model is not saved (accept the new baseline first, or
+The K probes also give the spread of each canary's reasoning tokens and latency (`stats.SignalFit`), the
+calibrated signals of a backend without logprobs. A calibration must not launder a change: when the
+canary's baseline (its answer, or its reasoning tokens) lies outside the noise just measured, the stack
+moved since the baseline, and that model is not saved (accept the new baseline first, or
 investigate).
 """
 
@@ -22,8 +24,10 @@ from canaryd.backends import Backend
 from canaryd.canaries import Canary
 from canaryd.config import Config
 from canaryd.errors import EXIT_DRIFT, EXIT_OK, EXIT_UNAVAILABLE, InputError
+from canaryd.judge.compare import basis_of
+from canaryd.judge.signals import score_signals
 from canaryd.judge.stats import CalibrationError, NoiseModel, fit, score
-from canaryd.observation import tokens_problem
+from canaryd.observation import Observation, tokens_problem
 from canaryd.probe.shapes import shape_of
 from canaryd.store import Store, open_store
 
@@ -84,17 +88,32 @@ def calibrate(
             if base is not None and tokens_problem(base.observation.tokens) is not None:
                 base = None  # unusable logprobs, stored by an older version: the next pass replaces it
             if base is not None and base.observation.request_hash == model.request_hash:
-                ev = score(model, base.observation)
-                if ev.out:
-                    problem = (
-                        f"the baseline lies outside the noise just measured (D {ev.statistic:.3g} > "
-                        f"{ev.threshold:.3g}, max |Δ logprob| {ev.detail['max_abs_dlogprob']:.3g}): the "
-                        "stack moved since the baseline; `baseline accept` it first, or investigate"
-                    )
+                problem = _outside(model, base.observation)
             if problem is None:
                 store.save_calibration(backend.name, cid, model)
             out.append(Calibrated(backend.name, cid, model, errors, problem))
     return out
+
+
+def _outside(model: NoiseModel, base: Observation) -> str | None:
+    """Why the baseline lies outside the noise just measured (None: it does not): its answer (when both
+    rest on the same basis) or its reasoning tokens. Latency is left out: the baseline's was measured
+    another day, under another load."""
+    if model.basis == basis_of(base) and (ev := score(model, base)).out:
+        why = (
+            f"D {ev.statistic:.3g} > {ev.threshold:.3g}, max |Δ logprob| {ev.detail['max_abs_dlogprob']:.3g}"
+            if model.basis == "logprobs"
+            else f"its text is none of the {model.k} answers"
+        )
+    elif (evs := score_signals(model, base, ["reasoning_tokens"])) and evs[0].out:
+        low, high = evs[0].detail["calibrated_range"]
+        why = f"its reasoning tokens {evs[0].detail['value']:g}, calibrated {low:g}..{high:g}"
+    else:
+        return None
+    return (
+        f"the baseline lies outside the noise just measured ({why}): the stack moved since the baseline; "
+        "`baseline accept` it first, or investigate"
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from canaryd.canaries import Canary, CheckTimeout, Expect
-from canaryd.judge.compare import Comparison, Verdict, compare
+from canaryd.judge.compare import Comparison, Verdict, basis_of, compare
 from canaryd.judge.sampled import compare_samples
 from canaryd.judge.stats import CalibrationError, NoiseModel
 from canaryd.observation import ErrorKind, Observation
@@ -187,7 +187,8 @@ class Sampled(Plain):
             if obs.ok:
                 out.append(Judged(obs, replace(verdict, correct=ok), baseline_id))
             else:
-                error = Comparison(Verdict.ERROR, None, reasons=(f"{obs.error_kind}: {obs.error}",))
+                why = (f"{obs.error_kind}: {obs.error}",)
+                error = Comparison(Verdict.ERROR, None, reasons=why, basis=basis_of(obs))
                 out.append(Judged(obs, error, baseline_id))
         return out
 

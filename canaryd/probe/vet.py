@@ -9,8 +9,8 @@ steps, the census and calibration probes):
 * text that UTF-8 cannot encode (a lone surrogate) in the answer, its fingerprint or model, a token or the
   stack makes it ``invalid_response`` too: it could be neither stored nor exported;
 * more tokens than the canary's ``max_tokens`` asked for (counted from the logprobs, or from the server's
-  ``usage.completion_tokens`` when there are none) makes it ``too_large``: a server that ignores the limit
-  is itself a finding;
+  ``usage.completion_tokens`` net of its hidden reasoning tokens when there are none) makes it
+  ``too_large``: a server that ignores the limit is itself a finding;
 * recorded headers are bounded, and every string of every observation (a failed one's error message
   included) is made storable.
 
@@ -73,7 +73,7 @@ def storable_fields(fields: dict[str, str]) -> dict[str, str]:
 def too_large(obs: Observation, max_tokens: int | None) -> str | None:
     """``N tokens > max_tokens M`` when the answer is longer than the request allowed (None: it is not)."""
     count = len(obs.tokens) if obs.tokens else obs.completion_tokens
-    if not obs.tokens and count is not None and obs.reasoning_tokens:  # hidden reasoning is not the answer
+    if not obs.tokens and count is not None and obs.reasoning_tokens:  # hidden reasoning has its own budget
         count -= obs.reasoning_tokens
     if max_tokens is not None and count is not None and count > max_tokens:
         return f"{count} tokens > max_tokens {max_tokens}"

@@ -18,7 +18,7 @@ from itertools import pairwise
 from canaryd import __version__
 from canaryd.backends import REVERT_FIRST, REVERT_LAST
 from canaryd.errors import InputError
-from canaryd.judge.compare import Verdict, token_delta
+from canaryd.judge.compare import Verdict, basis_of, text_delta, token_delta
 from canaryd.observation import Observation
 from canaryd.report.pin import Pin, check_pin
 from canaryd.stack import FieldChange, diff, merge_stacks, stack_hash
@@ -101,12 +101,18 @@ def _moved(delta: dict | None) -> float | None:
     return max(vals) if vals else None
 
 
+def _basis(row: StoredObservation) -> str:
+    """What the verdict rests on, "logprobs" or "text" (a comparison stored before bases were: logprobs)."""
+    return row.comparison.get("basis") or "logprobs"
+
+
 def _side(row: StoredObservation) -> dict:
     delta = row.comparison.get("delta")
     return {
         "observation_id": row.id,
         "time": iso(row.started_at),
         "verdict": row.verdict,
+        "basis": _basis(row),
         "correct": row.correct,
         "text": row.text,
         "fingerprint": row.system_fingerprint,
@@ -122,13 +128,18 @@ def explain_flip(
     """The last good and first bad observation side by side, what moved between them, what to revert."""
     (good_row, good_obs), (bad_row, bad_obs) = good, bad
     changes = diff(good_obs.stack, bad_obs.stack)
-    between = token_delta(good_obs.tokens, bad_obs.tokens)
+    between = (
+        token_delta(good_obs.tokens, bad_obs.tokens)
+        if basis_of(good_obs, bad_obs) == "logprobs"
+        else text_delta(good_obs.text or "", bad_obs.text or "")  # first divergence in characters
+    )
     return {
         "backend": bad_row.backend,
         "canary": bad_row.canary_id,
         "last_good": _side(good_row),
         "first_bad": _side(bad_row),
         "between": {
+            "basis": basis_of(good_obs, bad_obs),
             "first_divergence": between.first_divergence,
             "max_abs_dlogprob": max(between.max_abs_dlogprob or 0.0, between.max_abs_dtop or 0.0),
             "text_identical": good_obs.text == bad_obs.text,
@@ -272,6 +283,7 @@ def build_record(
                     "observation_id": r.id,
                     "baseline_id": r.baseline_id,
                     "verdict": r.verdict,
+                    "basis": _basis(r),
                     "reasons": r.comparison.get("reasons", []),
                     "stack_changes": _change_dicts(moved),  # vs the baseline
                     "suggestion": suggest(moved),
@@ -304,6 +316,7 @@ def build_record(
                 "observation_id": r.id,
                 "time": iso(r.started_at),
                 "verdict": r.verdict,
+                "basis": _basis(r),
                 "correct": r.correct,
                 "text": r.text,
                 "error": r.error,
@@ -406,13 +419,14 @@ def to_markdown(rec: dict) -> str:
         "## 3. Canaries",
         "",
         *_table(
-            ("backend", "canary", "observation", "verdict", "correct", "text"),
+            ("backend", "canary", "observation", "verdict", "basis", "correct", "text"),
             (
                 (
                     c["backend"],
                     c["canary"],
                     c["observation_id"],
                     c["verdict"],
+                    c["basis"],
                     c["correct"],
                     c["text"] or c["error"],
                 )
@@ -425,7 +439,7 @@ def to_markdown(rec: dict) -> str:
         for c in rec["changes"]:
             lines.append(
                 f"- `{c['backend']}` / `{c['canary']}` observation {c['observation_id']} "
-                f"(baseline {c['baseline_id']}): {c['verdict']}; {'; '.join(c['reasons'])}. "
+                f"(baseline {c['baseline_id']}): {c['verdict']} on {c['basis']}; {'; '.join(c['reasons'])}. "
                 f"{c['suggestion']}."
             )
     lines += ["", "## 5. Stored payloads", "", *(f"- `{h}`" for h in st["payload_hashes"])]

@@ -71,17 +71,22 @@ def _correct(group: Sequence[Result]) -> str:
 def results_table(results: Sequence[Result]) -> Table:
     """One row per canary result; a sampled canary's draws share one row (``id ×n``, correct as k/n)."""
     t = Table(title="canaryd check", title_justify="left")
-    for col in ("backend", "canary", "verdict", "correct", "1st div", "max |Δlp|", "fingerprint", "why"):
+    # basis: what the verdict rests on, "logprobs" or "text" (1st div then counts characters)
+    cols = ("backend", "canary", "verdict", "correct", "basis", "1st div", "max |Δlp|", "fingerprint", "why")
+    for col in cols:
         t.add_column(col, overflow="fold")
     for group in _groups(results):
         r = group[0]
         c, d = r.comparison, r.comparison.delta
-        moved = None if d is None else max(d.max_abs_dlogprob or 0.0, d.max_abs_dtop or 0.0)
+        moved = (
+            None if d is None or c.basis == "text" else max(d.max_abs_dlogprob or 0.0, d.max_abs_dtop or 0.0)
+        )
         t.add_row(
             r.observation.backend,
             r.observation.canary_id + (f" ×{len(group)}" if len(group) > 1 else ""),
             f"[{c.verdict.style}]{c.verdict.value}[/]",
             _correct(group),
+            c.basis,
             "-" if d is None or d.first_divergence is None else str(d.first_divergence),
             _num(moved),
             r.observation.system_fingerprint or "-",

@@ -236,9 +236,10 @@ def test_a_backend_that_is_down_is_a_connect_error_for_every_canary_and_a_pass_w
     assert back.stack_hash == first.stack_hash
 
 
-def test_an_answer_without_logprobs_is_a_no_logprobs_error(make):
-    """Today's behaviour: a response without logprobs is unusable for the comparison, so an error."""
-    lab = make(scripted(body=change(at=2, logprobs=False)))
+def test_an_answer_without_logprobs_is_a_no_logprobs_error_when_they_are_required(make):
+    """``request.logprobs = "require"``: a response without logprobs is an error (else it is judged on
+    text: tests/unit/test_text_basis.py)."""
+    lab = make(scripted(require_logprobs=True, body=change(at=2, logprobs=False)))
     lab.cycle()
     second = lab.cycle()
     assert verdicts(second) == dict.fromkeys(IDS, "error")
