@@ -3,9 +3,9 @@
 ``logprobs = "off"`` never asks for logprobs: its answers are judged on text and usage (basis ``text``);
 ``prefer`` asks and is judged on logprobs when they come, on text when they do not (here: the profile
 omits the parameters, as a provider that drops them would). In order, on one history: baselines, an
-unchanged restart (identical on every basis), a differently seeded model (its answers change: caught on
-text), and the first model under a chat template with a hidden system prompt (more prompt tokens: caught
-with the reason). Four server starts, about 40 s each.
+unchanged restart (identical on every basis), and a differently seeded model under a chat template with a
+hidden system prompt (its answers change and its prompts grow: both caught on text, with their reasons).
+Three server starts, about 40 s each.
 """
 
 import json
@@ -106,23 +106,18 @@ def test_each_mode_forms_its_baseline_and_an_unchanged_restart_is_identical(lab,
     assert code == 0 and {r["verdict"] for r in report["results"]} == {"identical"}, report
 
 
-def test_a_changed_answer_is_caught_on_text(lab):
+def test_a_changed_model_behind_a_hidden_system_prompt_is_caught_on_text_and_prompt_tokens(lab):
+    """A differently seeded model (its answers change) under a chat template with a hidden system prompt
+    (more prompt tokens): both are caught on the text basis, each named."""
     other = build_tiny_model(CACHE / "random-seed1", seed=1)
-    with lab.serve(other):
+    template = Path(lab.root / "hidden.jinja")
+    template.write_text(CHAT_TEMPLATE.replace("{{ bos_token }}", "{{ bos_token }}<|system|>Be terse.\n"))
+    with lab.serve(other, extra_args=["--chat-template", str(template)]):
         code, report = lab.json("check")
     assert code == 1, report
     for backend in ("off", "dropped"):
         rs = results(report, backend)
         assert {basis(r) for r in rs} == {"text"}
-        assert all(r["verdict"] != "identical" and r["text_identical"] is False for r in rs), rs
-
-
-def test_a_hidden_system_prompt_is_caught_by_the_prompt_token_count(lab, tiny_model):
-    template = Path(lab.root / "hidden.jinja")
-    template.write_text(CHAT_TEMPLATE.replace("{{ bos_token }}", "{{ bos_token }}<|system|>Be terse.\n"))
-    with lab.serve(tiny_model, extra_args=["--chat-template", str(template)]):
-        code, report = lab.json("check")
-    assert code == 1, report
-    for r in results(report, "off"):
-        assert r["verdict"] != "identical" and r["prompt_tokens_changed"], r
-        assert any("prompt tokens" in why for why in r["reasons"]), r
+        for r in rs:
+            assert r["verdict"] != "identical" and r["text_identical"] is False, r
+            assert r["prompt_tokens_changed"] and any("prompt tokens" in why for why in r["reasons"]), r
