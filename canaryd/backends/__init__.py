@@ -43,10 +43,26 @@ KINDS: dict[str, str] = {
 }
 
 # Stack field families (the first dotted part, ``host.`` skipped) in the order `explain` suggests
-# reverting them: settings cheapest to put back first (engine arguments, environment, cache config), then
-# versions, weights, tokenizer and hardware; what a server reports about itself comes last.
-REVERT_FIRST = ("engine", "env", "metrics", "vllm", "packages", "torch", "python", "models", "model")
-REVERT_LAST = ("template", "gpu", "cpu", "os", "request", "backend", "header", "response")
+# reverting them: causes before consequences. Settings cheapest to put back first (``engine.*``: every
+# kind's launch arguments, under one family, whatever the engine), then environment and cache config, then
+# engine builds (``<kind>.version``), weights (``model.*``), tokenizer and hardware; what a server or a
+# gateway reports about itself comes last.
+REVERT_FIRST = (
+    "engine",
+    "env",
+    "metrics",
+    "vllm",
+    "llamacpp",
+    "sglang",
+    "tgi",
+    "ollama",
+    "packages",
+    "torch",
+    "python",
+    "models",
+    "model",
+)
+REVERT_LAST = ("template", "gpu", "cpu", "os", "request", "backend", "gateway", "header", "response")
 
 
 @cache

@@ -69,8 +69,6 @@ model = "my-model"          # the served model name
 timeout_s = 60               # per request
 concurrency = 4              # canaries in flight at once on this backend
 """
-# Stack sections in the order `explain` suggests reverting them: what is set before what it implies.
-CAUSE_ORDER = ("vllm", "metrics", "models", "template", "host")
 ENGINE_VERSION_FIELD = "vllm.version"
 
 
