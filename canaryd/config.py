@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import os
 import tomllib
+from functools import cache
 from pathlib import Path
 from typing import Annotated, Self, Union
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from canaryd.backends import KINDS, BackendSettings, settings_types
+from canaryd.backends import KINDS, BackendSettings, settings_of
 from canaryd.canaries import ID_PATTERN
 from canaryd.errors import InputError, describe_validation_error
 from canaryd.fields import Duration, Strict, parse_duration
@@ -24,9 +25,6 @@ __all__ = ["Config", "find_config", "load_config", "parse_duration"]
 
 
 CONFIG_BYTES = 16 << 20  # a config file larger than this is refused unread
-
-# A ``[[backends]]`` entry validates against the registered kind's own config block, chosen by ``kind``.
-AnyBackend = Annotated[Union[settings_types()], Field(discriminator="kind")]  # noqa: UP007
 
 
 class SuiteRef(Strict):
@@ -142,7 +140,7 @@ class LimitsConfig(Strict):
 class Config(Strict):
     path: Path
     state_dir: Path
-    backends: tuple[AnyBackend, ...]  # type: ignore[valid-type]
+    backends: tuple[BackendSettings, ...]  # each entry its kind's own block: see `_validating`
     suites: tuple[SuiteRef, ...]
     storage: StorageConfig = StorageConfig()
     compare: CompareConfig = CompareConfig()
@@ -217,7 +215,7 @@ def load_config(path: Path) -> Config:
     raw.setdefault("backends", [])
     raw.setdefault("suites", [])
     try:
-        cfg = Config.model_validate({**raw, "path": path})
+        cfg = _validating(_kinds(raw["backends"])).model_validate({**raw, "path": path})
     except ValidationError as e:
         first = e.errors()[0]
         loc = [p for p in first["loc"] if p not in KINDS]  # a kind's tag is not a field the user wrote
@@ -235,6 +233,24 @@ def load_config(path: Path) -> Config:
             "suites": tuple(s.model_copy(update={"path": _resolve(base, s.path)}) for s in cfg.suites),
         }
     )
+
+
+def _kinds(entries: object) -> frozenset[str]:
+    """The registered kinds a config's ``[[backends]]`` name; every kind when one is missing or unknown, so
+    that the error lists what is known."""
+    kinds = {e.get("kind") for e in entries if isinstance(e, dict)} if isinstance(entries, list) else set()
+    return frozenset(kinds) if kinds and kinds <= KINDS.keys() else frozenset(KINDS)
+
+
+@cache
+def _validating(kinds: frozenset[str]) -> type[Config]:
+    """`Config` whose ``backends`` validate against the named kinds' own blocks, chosen by ``kind``.
+
+    Only the kinds a file uses are imported and built: each kind's pydantic model costs start-up time
+    (`validate` and every command load the config), and the registry keeps growing."""
+    types = tuple(settings_of(k) for k in KINDS if k in kinds)  # registry order: stable error messages
+    entry = Annotated[Union[types], Field(discriminator="kind")] if len(types) > 1 else types[0]  # noqa: UP007
+    return type("Config", (Config,), {"__annotations__": {"backends": tuple[entry, ...]}})  # type: ignore[valid-type]
 
 
 def _resolve(base: Path, p: Path) -> Path:

@@ -31,6 +31,7 @@ __all__ = [
     "engine_version",
     "examples",
     "make_backend",
+    "settings_of",
     "settings_types",
 ]
 
@@ -70,9 +71,14 @@ def _module(kind: str) -> ModuleType:
     return importlib.import_module(KINDS[kind])
 
 
+def settings_of(kind: str) -> type[BackendSettings]:
+    """A registered kind's config block (its module is imported on first use)."""
+    return _module(kind).Settings
+
+
 def settings_types() -> tuple[type[BackendSettings], ...]:
-    """Every registered kind's config block, for the config file's discriminated union."""
-    return tuple(_module(k).Settings for k in KINDS)
+    """Every registered kind's config block, in registry order."""
+    return tuple(map(settings_of, KINDS))
 
 
 def make_backend(settings: BackendSettings, stopping: threading.Event | None = None) -> Backend:
