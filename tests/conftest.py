@@ -14,6 +14,11 @@ from hypothesis import settings
 # CI replays the same fuzz examples every run, so a landing is never refused by a newly drawn case;
 # local runs keep drawing new ones, which is where new cases get found (and then pinned as tests).
 settings.register_profile("ci", derandomize=True)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # A worker inherits the C environment of the process that spawned it, readline's COLUMNS and LINES
+    # included (see `_no_stray_terminal_size`): only a test's own choice may set a child's width.
+    for _name in ("COLUMNS", "LINES"):
+        os.environ.pop(_name, None)
 if os.environ.get("CI"):
     settings.load_profile("ci")
 
