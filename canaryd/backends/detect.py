@@ -23,6 +23,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from canaryd.backends.ollama import CONSTANT_FINGERPRINT as OLLAMA_FINGERPRINT
 from canaryd.errors import InputError
 
 # GET paths under the server's root, in the order asked (``/get_server_info``: SGLang before 0.5.x).
@@ -36,6 +37,13 @@ PATHS = (
     "/health/liveliness",
 )
 TIMEOUT_S = 5.0
+# system_fingerprints an engine sends whatever it serves: no identity, whoever reads them.
+CONSTANT_FINGERPRINTS = {OLLAMA_FINGERPRINT: "Ollama"}
+
+
+def constant_fingerprint(fingerprint: str | None) -> str | None:
+    """The engine that sends ``fingerprint`` as a constant (it then names nothing), else None."""
+    return CONSTANT_FINGERPRINTS.get(fingerprint) if fingerprint else None
 
 
 @dataclass(frozen=True)
