@@ -63,6 +63,7 @@ class EngineReplay:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True  # headers and body go out in two writes: no 40 ms ACK wait
 
             def log_message(self, *args: object) -> None:
                 pass
@@ -87,7 +88,7 @@ class EngineReplay:
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        threading.Thread(target=self._server.serve_forever, args=(0.05,), daemon=True).start()
 
     def root(self, engine: str) -> str:
         return f"{self.url}/{engine}"
