@@ -117,7 +117,7 @@ def detect(url: str, *, api_key: str | None = None, timeout_s: float = TIMEOUT_S
     answers: dict[str, Answer] = {}
     try:
         for path in (*PATHS, "/v1/models"):
-            if path == "/get_server_info" and answers["/server_info"].status != 404:
+            if path == "/get_server_info" and getattr(answers.get("/server_info"), "status", 404) != 404:
                 continue
             try:
                 r = transport.exchange(http, "GET", f"{root}{path}", timeout_s=timeout_s, max_bytes=1 << 20)

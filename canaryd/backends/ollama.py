@@ -126,8 +126,9 @@ class Prober(openai_compat.Prober):
         fields.update(
             section("ollama", lambda: {"ollama.version": text(self._get("/api/version")["version"])})
         )
-        fields.update(section("model", lambda: digest_of(self._get("/api/tags"), model)))
-        fields.update(section("model", lambda: show_fields(self._show(model))))
+        # one section per endpoint: each failure is its own field (tags.error, show.error, ps.error)
+        fields.update(section("tags", lambda: digest_of(self._get("/api/tags"), model)))
+        fields.update(section("show", lambda: show_fields(self._show(model))))
         digest = fields.get("model.digest")
         fields.update(section("ps", lambda: loaded_mismatch(self._get("/api/ps"), model, digest)))
         return fields

@@ -42,6 +42,7 @@ ANSWERS = {"17 + 25": "42", "capital of France": "Paris"}
 MODELS = {"sglang": "qwen/qwen2.5-0.5b-instruct", "tgi": "tgi", "ollama": "llama3"}
 NEW_SHA = "1b4a2d6e0c5f7a9b8d3e2f1a0b9c8d7e6f5a4b3c"
 NEW_DIGEST = "365c0bd3c000a25d28ddbf732fe1c6add414de7275464c4e4d1c3b5fcb5d8ad1"
+SECRET = "sk-sglang-live-5f2a9c"  # as if SGLang had been started with --api-key / --admin-api-key
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +78,7 @@ def verdicts(doc: dict) -> dict[tuple[str, str], str]:
 
 def test_baseline_restart_and_a_change_in_each_engine(bed) -> None:
     replay, cfg = bed
+    replay.edit("sglang", "GET", "/get_server_info", api_key=SECRET, admin_api_key=SECRET)
     code, doc = cli(cfg, "check")
     assert code == 0, doc
     assert set(verdicts(doc).values()) == {"baseline"} and len(doc["results"]) == 6

@@ -219,3 +219,13 @@ def test_ollama_constant_fingerprint_is_no_identity(replay: EngineReplay) -> Non
     assert obs.stack["response.model"] == "llama3"
     assert snap["ollama.version"] == "0.5.1" and snap["model.quantization"] == "Q4_0"
     assert "fp_ollama" not in snap.values()
+
+
+def test_each_failing_ollama_endpoint_is_its_own_field(replay: EngineReplay) -> None:
+    p = ol.Prober(ol.Settings(name="o", model="llama3", base_url=f"{replay.url}/nothing/v1"))
+    try:
+        snap = p.snapshot()
+    finally:
+        p.close()
+    errors = {k: v for k, v in snap.items() if k.endswith(".error")}
+    assert errors == {f"{s}.error": "HTTP 404" for s in ("ollama", "tags", "show", "ps")}
