@@ -124,3 +124,25 @@ def test_doctor_proposes_the_engines_kind(replay: EngineReplay) -> None:
     found = discover(plain)
     assert found.fingerprint is None
     assert "fp_ollama" in found.evidence["fingerprint"] and "constant" in found.evidence["fingerprint"]
+
+
+def test_init_url_then_doctor_through_the_cli(replay: EngineReplay, tmp_path, monkeypatch) -> None:
+    """What a user types: ``init --url`` at an SGLang server writes kind sglang; a config that calls it
+    ``openai`` gets the kind proposed by ``doctor`` (in-process, as the CLI runs it)."""
+    from typer.testing import CliRunner
+
+    from canaryd.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    runner = CliRunner()
+    r = runner.invoke(app, ["init", "--url", replay.base("sglang"), "canaryd.toml"], prog_name="canaryd")
+    assert r.exit_code == 0, r.output
+    assert "found sglang at" in r.output
+    cfg = tmp_path / "canaryd.toml"
+    assert tomllib.loads(cfg.read_text())["backends"][0]["kind"] == "sglang"
+
+    cfg.write_text(cfg.read_text().replace('kind = "sglang"', 'kind = "openai"'))
+    r = runner.invoke(app, ["-c", str(cfg), "doctor", "sglang"], prog_name="canaryd")
+    assert r.exit_code == 0, r.output
+    assert "engine: sglang (/get_server_info: SGLang server args" in r.output
+    assert 'kind = "sglang" also reads' in r.output
