@@ -75,22 +75,18 @@ class Prober(openai_compat.Prober):
 
     def snapshot(self) -> dict[str, str]:
         fields = super().snapshot()
-        server = self._native("/server_info", "/get_server_info")
-        fields.update(section("engine", lambda: server_info_fields(obj(server(), "server_info"))))
-        model = self._native("/model_info", "/get_model_info")
-        fields.update(section("model", lambda: model_info_fields(obj(model(), "model_info"))))
+        fields.update(section("engine", lambda: server_info_fields(self._native("server_info"))))
+        fields.update(section("model", lambda: model_info_fields(self._native("model_info"))))
         return fields
 
-    def _native(self, path: str, old: str):
-        """A reader of a native endpoint: its current name, else (404) the name older servers use."""
+    def _native(self, name: str) -> dict:
+        """A native endpoint's body: ``/<name>``, else (404) ``/get_<name>``, its name on older servers."""
         from httpx2 import HTTPStatusError
 
-        def read() -> object:
-            try:
-                return self.call("GET", f"{self.root}{path}").json()
-            except HTTPStatusError as e:
-                if e.response.status_code != 404:
-                    raise
-                return self.call("GET", f"{self.root}{old}").json()
-
-        return read
+        try:
+            doc = self.call("GET", f"{self.root}/{name}").json()
+        except HTTPStatusError as e:
+            if e.response.status_code != 404:
+                raise
+            doc = self.call("GET", f"{self.root}/get_{name}").json()
+        return obj(doc, f"/{name}")
