@@ -25,6 +25,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from canaryd.backends.base import HttpSettings
+from canaryd.backends.detect import constant_fingerprint
 from canaryd.errors import InputError
 
 PROMPT = "Say OK."
@@ -213,6 +214,9 @@ class Doctor:
             f.model, f.fingerprint = _text(answer.get("model")), _text(answer.get("system_fingerprint"))
             f.reasoning_tokens = _reasoning(plain.doc)
             f.evidence["fingerprint"] = f"plain answer: system_fingerprint {f.fingerprint!r}"
+            if engine := constant_fingerprint(f.fingerprint):  # a constant: no serving identity
+                f.evidence["fingerprint"] += f", {engine}'s constant: it names no build or weights"
+                f.fingerprint = None
             f.evidence["reasoning"] = f"plain answer: reasoning_tokens {f.reasoning_tokens}"
             self._sampling()
             self._logprobs()
@@ -319,6 +323,20 @@ def discover(settings: HttpSettings) -> Findings:
         return doctor.discover()
     finally:
         doctor.close()
+
+
+def engine(settings: HttpSettings) -> dict[str, Any]:
+    """Which engine answers at the backend's URL (a few GETs of its own endpoints, no tokens spent) and,
+    when the config names a kind that reads less of it, the kind to set (``proposed``)."""
+    from canaryd.backends import KINDS
+    from canaryd.backends.detect import detect
+
+    try:
+        found = detect(settings.base_url, api_key=settings.api_key(), timeout_s=min(settings.timeout_s, 10.0))
+    except InputError as e:
+        return {"kind": None, "evidence": str(e), "model": None, "proposed": None}
+    better = found.kind not in ("openai", settings.kind) and found.kind in KINDS
+    return {**found.as_dict(), "proposed": found.kind if better else None}
 
 
 def profile(f: Findings) -> dict[str, Any]:

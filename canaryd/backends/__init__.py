@@ -41,6 +41,9 @@ KINDS: dict[str, str] = {
     "openai-responses": "canaryd.backends.openai_responses",
     "vllm-offline": "canaryd.backends.vllm_offline",
     "scripted": "canaryd.backends.scripted",
+    "sglang": "canaryd.backends.sglang",
+    "tgi": "canaryd.backends.tgi",
+    "ollama": "canaryd.backends.ollama",
 }
 
 # Stack field families (the first dotted part, ``host.`` skipped) in the order `explain` suggests

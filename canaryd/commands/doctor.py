@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from canaryd.backends.base import HttpSettings
 from canaryd.commands import JsonFlag, console, emit, load
 from canaryd.errors import EXIT_OK, EXIT_UNAVAILABLE
 
@@ -38,6 +39,9 @@ def doctor(
         to_stderr(ahead, "info")
     else:
         print(ahead, flush=True)
+    engine = doc.engine(settings) if isinstance(settings, HttpSettings) else None
+    if engine is not None and not as_json:
+        _say_engine(engine, backend, settings.kind)
     try:
         found = doc.discover(settings)
     except doc.Unreachable as e:
@@ -57,6 +61,7 @@ def doctor(
                 "exit_code": EXIT_OK,
                 "backend": backend,
                 "estimate": bound,
+                "engine": engine,
                 "findings": found.as_dict(),
                 "profile": profile,
                 "preset": preset,
@@ -72,6 +77,19 @@ def doctor(
     if write:
         print(f"wrote [backends.request] of {backend!r} into {cfg.path}")
     print(f"doctor: spent {found.requests} requests, {found.tokens} tokens")
+
+
+def _say_engine(engine: dict, backend: str, kind: str) -> None:
+    """Which engine answers, and the kind that would read its own stack (printed before any request)."""
+    if engine["kind"] is None:
+        print(f"engine: not told ({engine['evidence']})")
+        return
+    print(f"engine: {engine['kind']} ({engine['evidence']})")
+    if engine["proposed"]:
+        print(
+            f'  backend {backend!r} is kind = "{kind}"; kind = "{engine["proposed"]}" also reads the '
+            "engine's own stack (its launch arguments, weights, build)"
+        )
 
 
 def _show(found) -> None:

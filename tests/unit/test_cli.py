@@ -49,7 +49,7 @@ def test_usage_errors_exit_2(tmp_path, args, message):
 
 def test_bad_config_exits_2_with_one_line(tmp_path):
     cfg = tmp_path / "canaryd.toml"
-    cfg.write_text("suites = ['s.toml']\n[[backends]]\nname = 'v'\nkind = 'tgi'\n")
+    cfg.write_text("suites = ['s.toml']\n[[backends]]\nname = 'v'\nkind = 'triton'\n")
     p = canaryd("-c", str(cfg), "check")
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert p.stderr.count("\n") == 1 and str(cfg) in p.stderr and "backends[0].kind" in p.stderr

@@ -189,7 +189,7 @@ BAD_CONFIGS = [
     ("invalid TOML", "suites = [", "invalid TOML"),
     ("no backends", "suites=['s.toml']", "backends: at least one"),
     ("no suites", BACKEND, "suites: at least one"),
-    ("unknown kind", BACKEND.replace("vllm", "tgi") + "suites=['s']", "backends[0].kind"),
+    ("unknown kind", BACKEND.replace("vllm", "triton") + "suites=['s']", "backends[0].kind"),
     (
         "missing model",
         BACKEND.replace("model='m'\n", "") + "suites=['s']",

@@ -24,6 +24,9 @@ MINIMAL = {
     "openai-responses": "base_url = 'http://127.0.0.1:9/v1'\nmodel = 'm'\n",
     "vllm-offline": "model = '/m'\n",
     "scripted": "",
+    "sglang": "base_url = 'http://127.0.0.1:9/v1'\nmodel = 'm'\n",
+    "tgi": "base_url = 'http://127.0.0.1:9/v1'\nmodel = 'm'\n",
+    "ollama": "base_url = 'http://127.0.0.1:9/v1'\nmodel = 'm'\n",
 }
 
 
@@ -49,7 +52,7 @@ def test_the_config_file_validates_each_kind_with_its_own_block(tmp_path, kind):
 @pytest.mark.parametrize(
     ("block", "message"),
     [
-        ("kind = 'tgi'\nmodel = 'm'\n", "backends[0].kind: unknown kind 'tgi' (known: vllm, openai"),
+        ("kind = 'triton'\nmodel = 'm'\n", "backends[0].kind: unknown kind 'triton' (known: vllm, openai"),
         ("model = 'm'\n", "backends[0].kind: kind is required"),
         ("kind = 'vllm'\nmodel = 'm'\n", "backends[0].base_url: Field required"),
         # a key of another kind names the field, without the union's tag in the path

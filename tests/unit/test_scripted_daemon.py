@@ -141,7 +141,7 @@ def test_reload_applies_a_new_suite_and_backend_and_an_invalid_config_keeps_the_
 
     # a config that does not validate: rejected, counted, and the old one keeps probing
     (tmp_path / "canaryd.toml").write_text(
-        (tmp_path / "canaryd.toml").read_text().replace('kind = "scripted"', 'kind = "tgi"', 1)
+        (tmp_path / "canaryd.toml").read_text().replace('kind = "scripted"', 'kind = "triton"', 1)
     )
     before = passes(d, "second", "greet")
     assert d.reload() is False
