@@ -54,8 +54,10 @@ from pydantic import (
     model_validator,
 )
 
+from canaryd.conform import EFFORTS, Conform
 from canaryd.errors import InputError, describe_validation_error
 from canaryd.files import read_regular
+from canaryd.toolcalls import ExpectedCall, Tool, ToolChoice, check_tools
 
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$"
 _NUMBER = re.compile(r"[-+]?\d+(?:[.,]\d+)?(?:[eE][-+]?\d+)?")
@@ -96,6 +98,8 @@ class Decoding(_Strict):
     # A sampled canary: n draws per cycle, compared with the baseline's as distributions (sampled.py).
     # Not a request field: sample i is sent with seed + i (or no seed), one request each.
     samples: Annotated[int, Field(ge=1, le=1000)] = 1
+    # Sent only when set (OpenAI's reasoning models; a `conform` canary varies it).
+    reasoning_effort: Literal[EFFORTS] | None = None  # type: ignore[valid-type]
 
     @field_validator("seed", mode="before")
     @classmethod
@@ -112,7 +116,8 @@ class Decoding(_Strict):
 
 
 class Expect(_Strict):
-    """The known answer. Exactly one of ``exact``, ``regex``, ``choices`` or ``number``.
+    """The known answer. Exactly one of ``exact``, ``regex``, ``choices``, ``number`` or ``tool_call``
+    (the function call the answer must make, `canaryd.toolcalls`; judged on the response's tool calls).
 
     ``answer`` is an optional reference text (shown in reports, and what the demo model is trained to
     say); when given it must pass the check itself, which catches a mistyped pattern early.
@@ -123,14 +128,18 @@ class Expect(_Strict):
     regex: str | None = None
     choices: tuple[str, ...] | None = None
     number: float | None = None
+    tool_call: ExpectedCall | None = None
     tolerance: Annotated[float, Field(ge=0)] = 0.0
     case_sensitive: bool = False
 
     @model_validator(mode="after")
     def _one_kind(self) -> Self:
-        given = [k for k in ("exact", "regex", "choices", "number") if getattr(self, k) is not None]
+        kinds = ("exact", "regex", "choices", "number", "tool_call")
+        given = [k for k in kinds if getattr(self, k) is not None]
         if len(given) != 1:
-            raise ValueError(f"give exactly one of exact, regex, choices, number (got {given or 'none'})")
+            raise ValueError(f"give exactly one of {', '.join(kinds)} (got {given or 'none'})")
+        if self.tool_call is not None and self.answer is not None:
+            raise ValueError("a tool_call expectation takes no reference answer")
         if self.regex is not None:
             try:
                 rx.compile(self.regex)
@@ -151,6 +160,8 @@ class Expect(_Strict):
         A regex gets at most ``timeout_s`` (`CheckTimeout` after that).
         """
         answer = text.strip()
+        if self.tool_call is not None:  # judged on the structured call (`toolcalls.check_call`), not text
+            return False
         if self.number is not None:
             found = _NUMBER.search(answer)
             return found is not None and abs(float(found.group().replace(",", ".")) - self.number) <= (
@@ -339,6 +350,9 @@ class Canary(_Strict):
     steps: tuple[Step, ...] | None = None  # a chained canary: no top-level messages or prompt
     decoding: Decoding = Decoding()
     expect: Expect | None = None
+    tools: tuple[Tool, ...] | None = None  # offered to the model (chat only), sent as given
+    tool_choice: ToolChoice | None = None
+    conform: Conform | None = None  # a parameter-conformance canary: sent twice (`canaryd.conform`)
     tags: tuple[str, ...] = ()
     suite: str = ""
 
@@ -374,7 +388,26 @@ class Canary(_Strict):
             raise ValueError("a chained canary (steps) takes no top-level messages or prompt")
         elif any(self.step_decoding(s).samples > 1 for s in self.steps):
             raise ValueError("decoding.samples: a chained canary is not sampled (samples must be 1)")
+        self._check_contract()
         return self
+
+    def _check_contract(self) -> None:
+        """Tools, an expected tool call and a conformance pair: only where they can be sent and judged."""
+        check_tools(self.tools, self.tool_choice)
+        wants_call = self.expect is not None and self.expect.tool_call is not None
+        if self.tools is not None and self.messages is None:
+            raise ValueError("tools: only a chat canary (messages, no steps) can offer tools")
+        if wants_call and self.tools is None:
+            raise ValueError("expect.tool_call needs tools")
+        if wants_call and self.expect.tool_call.name not in {t.function.name for t in self.tools or ()}:
+            raise ValueError(f"expect.tool_call.name {self.expect.tool_call.name!r} is not in tools")
+        if (self.tools is not None or self.conform is not None) and self.decoding.samples > 1:
+            raise ValueError("decoding.samples: a tool-call or conform canary is not sampled")
+        if self.conform is not None:
+            if self.steps is not None:
+                raise ValueError("conform: a chained canary cannot be a conformance pair")
+            if self.conform.param == "reasoning_effort" and self.messages is None:
+                raise ValueError("conform: reasoning_effort needs a chat canary (messages)")
 
     def step_decoding(self, step: Step) -> Decoding:
         """The canary's decoding with the keys the step sets overriding it."""
@@ -386,6 +419,8 @@ class Canary(_Strict):
 
     def observed_ids(self) -> tuple[str, ...]:
         """The canary ids its observations carry: its own, or ``id:step`` per step of a chain."""
+        if self.conform is not None:
+            return (f"{self.id}:low", f"{self.id}:high")
         return (self.id,) if self.steps is None else tuple(f"{self.id}:{s.id}" for s in self.steps)
 
     @property
@@ -393,7 +428,9 @@ class Canary(_Strict):
         return "chat" if self.messages is not None else "completions"
 
     def prompt_hash(self) -> str:
-        body = [m.model_dump() for m in self.messages] if self.messages is not None else self.prompt
+        body: object = [m.model_dump() for m in self.messages] if self.messages is not None else self.prompt
+        if self.tools is not None:
+            body = [body, [t.body() for t in self.tools]]
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
 
