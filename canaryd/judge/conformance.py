@@ -68,8 +68,8 @@ def _max_tokens(spec: Conform, pair: dict[str, Observation]) -> dict[str, str]:
     limit = sent_limit(low)
     if counts["low"] < (limit or 0):
         return {
-            "low": f"inconclusive: the answer ended after {counts['low']} tokens, before the low limit "
-            f"{limit} (finish_reason {low.finish_reason!r}): the prompt must ask for a longer answer"
+            "low": f"cannot judge max_tokens: the answer ended after {counts['low']} tokens, before the low "
+            f"limit {limit} (finish_reason {low.finish_reason!r}): the prompt must ask for a longer answer"
         }
     if low.finish_reason != "length":
         return {"low": f"cut at max_tokens {limit} but finish_reason is {low.finish_reason!r}, not 'length'"}

@@ -246,7 +246,7 @@ class Conformance(Plain):
         failed = judge_pair(canary.conform, *observations)
         for side, obs in zip(SIDES, observations, strict=True):
             if side in failed:
-                obs.error_kind, obs.error = ErrorKind.NONCONFORMANT, f"{canary.conform.param}: {failed[side]}"
+                obs.error_kind, obs.error = ErrorKind.NONCONFORMANT, failed[side]
                 obs.tokens = []
         return [
             _compare(store, settings, obs, canary.expect if side == "high" else None)

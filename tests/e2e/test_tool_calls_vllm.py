@@ -169,7 +169,7 @@ def test_tool_calls_and_max_tokens_conformance_against_real_vllm(lab):
     for side, limit in (("low", 8), ("high", 32)):
         r = got[("gateway", f"count:{side}")]
         assert r["verdict"] == "error" and r["error_kind"] == "nonconformant", r
-        assert r["error"] == f"max_tokens: max_tokens ignored: 51 completion tokens > the {limit} asked for"
+        assert r["error"] == f"max_tokens ignored: 51 completion tokens > the {limit} asked for"
     assert code == 3, report  # a probe that failed (the conformance error) is the exit code's first
 
     # the calls are answers compared with their baselines: unchanged, identical

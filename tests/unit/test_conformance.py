@@ -119,7 +119,11 @@ def test_max_tokens_honoured_is_no_finding(logprobs):
             {"low": "cut at max_tokens 8 but finish_reason is 'stop', not 'length'"},
         ),
         (obs(8, 8), obs(32, 8), {"high": "max_tokens had no effect: 8 tokens at max_tokens 32, 8 at 8"}),
-        (obs(8, 3, "stop"), obs(32, 3, "stop"), {"low": "inconclusive: the answer ended after 3 tokens"}),
+        (
+            obs(8, 3, "stop"),
+            obs(32, 3, "stop"),
+            {"low": "cannot judge max_tokens: the answer ended after 3 tokens"},
+        ),
         (
             obs(None, 8),
             obs(None, 20),
@@ -152,7 +156,9 @@ def test_the_limit_sent_is_what_counts_a_reasoning_budget_included():
     low.request["max_completion_tokens"] = 8 + 2048
     high = obs(None, 900)
     high.request["max_completion_tokens"] = 32 + 2048
-    assert judge_pair(MAX, low, high)["low"].startswith("inconclusive")  # 300 of 2056 tokens
+    assert judge_pair(MAX, low, high)["low"].startswith(
+        "cannot judge max_tokens: the answer ended"
+    )  # 300 of 2056 tokens
 
 
 # -- reasoning_effort ---------------------------------------------------------------------------------
@@ -255,17 +261,12 @@ def test_an_honouring_server_passes_and_one_that_ignores_a_parameter_is_caught(l
     ignored = by_id(lab.cycle())  # the server stops honouring max_tokens
     low = ignored["lim:low"]
     assert low.comparison.verdict.value == "error" and low.observation.error_kind is ErrorKind.NONCONFORMANT
-    assert (
-        low.observation.error
-        == f"max_tokens: max_tokens ignored: {len(COUNTING)} completion tokens > the 8 asked for"
-    )
+    assert low.observation.error == f"max_tokens ignored: {len(COUNTING)} completion tokens > the 8 asked for"
     assert ignored["lim:high"].observation.error_kind is ErrorKind.NONCONFORMANT  # 51 > 32 too
 
     flat = by_id(lab.cycle())  # ... then reasoning_effort
     assert flat["effort:high"].observation.error_kind is ErrorKind.NONCONFORMANT
-    assert flat["effort:high"].observation.error.startswith(
-        "reasoning_effort: reasoning_effort had no effect"
-    )
+    assert flat["effort:high"].observation.error.startswith("reasoning_effort had no effect")
     assert flat["effort:low"].comparison.verdict.value == "answer-drift"  # its reasoning tokens moved too
 
     m = Metrics()
