@@ -13,6 +13,7 @@ import pytest
 from canaryd.backends import openai_wire as wire
 from canaryd.canaries import load_suite
 from canaryd.errors import InputError
+from canaryd.judge.compare import compare
 from canaryd.observation import Observation, ToolCall
 from canaryd.toolcalls import ExpectedCall, check_call, schema_problem, violation
 from tests.unit.scripted_lab import ScriptedLab, by_id, change, scripted, verdicts
@@ -252,14 +253,23 @@ def test_malformed_tool_calls_are_invalid_responses_naming_the_field():
         wire.parse_chat(body)
 
 
-def test_a_call_without_logprobs_is_judged_on_its_text_including_the_call():
-    obs = Observation("b", "c", "s", datetime(2026, 1, 1, tzinfo=UTC), {}, "r")
-    calls = (ToolCall("get_weather", '{"city": "Paris"}'),)
-    assert (
-        wire.with_calls("Sure.", calls)
-        == 'Sure.\n[tool_call] {"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}'
+def answer(arguments: str) -> Observation:
+    """An answer without logprobs (Anthropic's or Gemini's compatibility) that calls get_weather."""
+    o = Observation("b", "c", "s", datetime(2026, 1, 1, tzinfo=UTC), {}, "r", has_logprobs=False)
+    o.tool_calls = (ToolCall("get_weather", arguments),)
+    o.text = wire.with_calls("Sure.", o.tool_calls)
+    return o
+
+
+def test_the_text_carries_the_call_so_a_moved_call_is_drift_even_without_logprobs():
+    base = answer('{"city": "Paris"}')
+    assert base.text == 'Sure.\n[tool_call] {"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}'
+    assert compare(base, answer('{"city": "Paris"}'), correct=True, baseline_correct=True).verdict.value == (
+        "identical"
     )
-    assert wire.with_calls(None, None) is None and obs.tool_calls is None
+    moved = compare(base, answer('{"city": "Oslo"}'), correct=False, baseline_correct=True)
+    assert moved.verdict.value == "regression" and moved.basis == "text"
+    assert wire.with_calls(None, None) is None and wire.with_calls("text", ()) == "text"
 
 
 # -- the scripted kind through the probe pass ---------------------------------------------------------
