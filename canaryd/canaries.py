@@ -38,7 +38,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import re._parser as sre_parse
 import tomllib
 from pathlib import Path
 from typing import Annotated, Literal, Self
@@ -54,8 +53,11 @@ from pydantic import (
     model_validator,
 )
 
+from canaryd.conform import EFFORTS, Conform
 from canaryd.errors import InputError, describe_validation_error
 from canaryd.files import read_regular
+from canaryd.regexrisk import backtracking_risk
+from canaryd.toolcalls import ExpectedCall, Tool, ToolChoice, check_tools
 
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$"
 _NUMBER = re.compile(r"[-+]?\d+(?:[.,]\d+)?(?:[eE][-+]?\d+)?")
@@ -96,6 +98,8 @@ class Decoding(_Strict):
     # A sampled canary: n draws per cycle, compared with the baseline's as distributions (sampled.py).
     # Not a request field: sample i is sent with seed + i (or no seed), one request each.
     samples: Annotated[int, Field(ge=1, le=1000)] = 1
+    # Sent only when set (OpenAI's reasoning models; a `conform` canary varies it).
+    reasoning_effort: Literal[EFFORTS] | None = None  # type: ignore[valid-type]
 
     @field_validator("seed", mode="before")
     @classmethod
@@ -112,7 +116,8 @@ class Decoding(_Strict):
 
 
 class Expect(_Strict):
-    """The known answer. Exactly one of ``exact``, ``regex``, ``choices`` or ``number``.
+    """The known answer. Exactly one of ``exact``, ``regex``, ``choices``, ``number`` or ``tool_call``
+    (the function call the answer must make, `canaryd.toolcalls`; judged on the response's tool calls).
 
     ``answer`` is an optional reference text (shown in reports, and what the demo model is trained to
     say); when given it must pass the check itself, which catches a mistyped pattern early.
@@ -123,14 +128,18 @@ class Expect(_Strict):
     regex: str | None = None
     choices: tuple[str, ...] | None = None
     number: float | None = None
+    tool_call: ExpectedCall | None = None
     tolerance: Annotated[float, Field(ge=0)] = 0.0
     case_sensitive: bool = False
 
     @model_validator(mode="after")
     def _one_kind(self) -> Self:
-        given = [k for k in ("exact", "regex", "choices", "number") if getattr(self, k) is not None]
+        kinds = ("exact", "regex", "choices", "number", "tool_call")
+        given = [k for k in kinds if getattr(self, k) is not None]
         if len(given) != 1:
-            raise ValueError(f"give exactly one of exact, regex, choices, number (got {given or 'none'})")
+            raise ValueError(f"give exactly one of {', '.join(kinds)} (got {given or 'none'})")
+        if self.tool_call is not None and self.answer is not None:
+            raise ValueError("a tool_call expectation takes no reference answer")
         if self.regex is not None:
             try:
                 rx.compile(self.regex)
@@ -151,6 +160,8 @@ class Expect(_Strict):
         A regex gets at most ``timeout_s`` (`CheckTimeout` after that).
         """
         answer = text.strip()
+        if self.tool_call is not None:  # judged on the structured call (`toolcalls.check_call`), not text
+            return False
         if self.number is not None:
             found = _NUMBER.search(answer)
             return found is not None and abs(float(found.group().replace(",", ".")) - self.number) <= (
@@ -165,144 +176,6 @@ class Expect(_Strict):
         fold = (lambda s: s) if self.case_sensitive else str.casefold
         wanted = (self.exact,) if self.exact is not None else self.choices
         return fold(answer) in {fold(w.strip()) for w in wanted or ()}
-
-
-# -- patterns that backtrack catastrophically (`canaryd validate` warns; the check's time bound contains them)
-
-_C = sre_parse  # the opcodes of Python's own regex parser (``re._parser``), used only by this heuristic
-_REPEATS = (_C.MAX_REPEAT, _C.MIN_REPEAT)
-_ONE_CHAR = (_C.LITERAL, _C.NOT_LITERAL, _C.ANY, _C.IN)
-_SAMPLE = [chr(i) for i in range(32, 127)] + ["\t", "\n", "\u00a0", "é", "ß", "Ж", "中"]
-_CATEGORIES = {
-    _C.CATEGORY_DIGIT: str.isdigit,
-    _C.CATEGORY_NOT_DIGIT: lambda c: not c.isdigit(),
-    _C.CATEGORY_SPACE: str.isspace,
-    _C.CATEGORY_NOT_SPACE: lambda c: not c.isspace(),
-    _C.CATEGORY_WORD: lambda c: c.isalnum() or c == "_",
-    _C.CATEGORY_NOT_WORD: lambda c: not (c.isalnum() or c == "_"),
-}
-
-
-def backtracking_risk(pattern: str) -> str | None:
-    """Why ``pattern`` may backtrack catastrophically, or None: a simple heuristic, not a proof.
-
-    Inside a group repeated more than once (``*``, ``+``, ``{n,}``, ``{n}`` with n > 1) it looks for
-
-    * a **nested quantifier**: a variable-length repeat (``+``, ``*``, ``{m,n}``) whose characters can also
-      match every other required item of the group, so one stretch of text splits into iterations in
-      exponentially many ways: ``(a+)+``, ``(a*)*``, ``(\\w+\\s?)*``, ``(.*a){20}`` (but not ``(\\.\\d+)*``,
-      where the ``.`` separates the iterations);
-    * an **ambiguous alternation**: two alternatives that can start with the same character, or one
-      that is a prefix of another: ``(a|a)*``, ``(a|aa)+``, ``(ab|a|b)*``.
-
-    Possessive repeats and atomic groups never backtrack and are not flagged. Characters are compared
-    ignoring case and on a sample (ASCII and a few others). A pattern Python's ``re`` cannot parse (syntax
-    only the ``regex`` package has) is not examined.
-    """
-    try:
-        return _risk(sre_parse.parse(pattern), repeated=False)
-    except (re.error, RecursionError, ValueError, TypeError):
-        return None
-
-
-def _risk(seq, repeated: bool) -> str | None:
-    for op, av in seq:
-        if op in _REPEATS:
-            _, hi, body = av
-            again = hi > 1
-            if again and _nested(body):
-                return "nested quantifier"
-            found = _risk(body, repeated or again)
-        elif op is _C.SUBPATTERN:
-            found = _risk(av[-1], repeated)
-        elif op is _C.BRANCH:
-            alternatives = av[1]
-            if repeated and _ambiguous(alternatives):
-                return "ambiguous alternation"
-            found = next((r for alt in alternatives if (r := _risk(alt, repeated))), None)
-        elif op in (_C.ASSERT, _C.ASSERT_NOT):
-            found = _risk(av[1], repeated)
-        elif op is _C.GROUPREF_EXISTS:
-            found = next((r for alt in av[1:] if alt is not None and (r := _risk(alt, repeated))), None)
-        else:  # single characters, anchors, back references, possessive repeats, atomic groups
-            found = None
-        if found:
-            return found
-    return None
-
-
-def _flat(seq) -> list:
-    """A sequence with its groups opened (``(a(b+))`` → ``a``, ``b+``)."""
-    out = []
-    for op, av in seq:
-        out += _flat(av[-1]) if op is _C.SUBPATTERN else [(op, av)]
-    return out
-
-
-def _nested(body) -> bool:
-    """A repeated group's body has a variable-length repeat that can also match all its required items."""
-    items = _flat(body)
-    variable = [av for op, av in items if op in _REPEATS and av[1] > 1 and av[0] != av[1]]
-    if not variable:
-        return False
-    heads = [_first(v[2]) for v in variable]
-    required = [(op, av) for op, av in items if op not in _REPEATS or av[0] >= 1]
-    required = [item for item in required if item[0] not in _REPEATS and item[0] is not _C.AT]
-    return all(any(_overlap(item, h) for h in heads) for item in required)
-
-
-def _ambiguous(alternatives) -> bool:
-    """Alternatives that can start alike (an empty one: Python's parser moved a common prefix out)."""
-    if any(not alt for alt in alternatives):
-        return True
-    heads = [_first(alt) for alt in alternatives]
-    return any(_overlap(a, b) for i, a in enumerate(heads) for b in heads[i + 1 :])
-
-
-def _first(seq) -> tuple | None:
-    """The single-character item a sequence starts with (None: unknown)."""
-    for op, av in seq:
-        if op is _C.AT:
-            continue
-        if op in _ONE_CHAR:
-            return (op, av)
-        if op is _C.SUBPATTERN:
-            return _first(av[-1])
-        if op in _REPEATS and av[0] >= 1:
-            return _first(av[2])
-        return None
-    return None
-
-
-def _overlap(a: tuple | None, b: tuple | None) -> bool:
-    """Whether two single-character items can match one character (unknown: yes)."""
-    if a is None or b is None or a[0] not in _ONE_CHAR or b[0] not in _ONE_CHAR:
-        return True
-    return any(_matches(a, c) and _matches(b, c) for c in _SAMPLE)
-
-
-def _matches(item: tuple, c: str) -> bool:
-    op, av = item
-    c = c.lower()
-    if op is _C.LITERAL:
-        return chr(av).lower() == c
-    if op is _C.NOT_LITERAL:
-        return chr(av).lower() != c
-    if op is _C.ANY:
-        return True
-    negate, hit = False, False
-    for kind, value in av:
-        if kind is _C.NEGATE:
-            negate = True
-        elif kind is _C.LITERAL:
-            hit = hit or chr(value).lower() == c
-        elif kind is _C.RANGE:
-            hit = hit or any(value[0] <= ord(x) <= value[1] for x in (c, c.upper()))
-        elif kind is _C.CATEGORY:
-            hit = hit or _CATEGORIES.get(value, lambda _c: True)(c)
-        else:
-            return True
-    return hit != negate
 
 
 def _check_one_prompt(messages: tuple[Message, ...] | None, prompt: str | None) -> None:
@@ -339,6 +212,9 @@ class Canary(_Strict):
     steps: tuple[Step, ...] | None = None  # a chained canary: no top-level messages or prompt
     decoding: Decoding = Decoding()
     expect: Expect | None = None
+    tools: tuple[Tool, ...] | None = None  # offered to the model (chat only), sent as given
+    tool_choice: ToolChoice | None = None
+    conform: Conform | None = None  # a parameter-conformance canary: sent twice (`canaryd.conform`)
     tags: tuple[str, ...] = ()
     suite: str = ""
 
@@ -374,7 +250,26 @@ class Canary(_Strict):
             raise ValueError("a chained canary (steps) takes no top-level messages or prompt")
         elif any(self.step_decoding(s).samples > 1 for s in self.steps):
             raise ValueError("decoding.samples: a chained canary is not sampled (samples must be 1)")
+        self._check_contract()
         return self
+
+    def _check_contract(self) -> None:
+        """Tools, an expected tool call and a conformance pair: only where they can be sent and judged."""
+        check_tools(self.tools, self.tool_choice)
+        wants_call = self.expect is not None and self.expect.tool_call is not None
+        if self.tools is not None and self.messages is None:
+            raise ValueError("tools: only a chat canary (messages, no steps) can offer tools")
+        if wants_call and self.tools is None:
+            raise ValueError("expect.tool_call needs tools")
+        if wants_call and self.expect.tool_call.name not in {t.function.name for t in self.tools or ()}:
+            raise ValueError(f"expect.tool_call.name {self.expect.tool_call.name!r} is not in tools")
+        if (self.tools is not None or self.conform is not None) and self.decoding.samples > 1:
+            raise ValueError("decoding.samples: a tool-call or conform canary is not sampled")
+        if self.conform is not None:
+            if self.steps is not None:
+                raise ValueError("conform: a chained canary cannot be a conformance pair")
+            if self.conform.param == "reasoning_effort" and self.messages is None:
+                raise ValueError("conform: reasoning_effort needs a chat canary (messages)")
 
     def step_decoding(self, step: Step) -> Decoding:
         """The canary's decoding with the keys the step sets overriding it."""
@@ -386,6 +281,8 @@ class Canary(_Strict):
 
     def observed_ids(self) -> tuple[str, ...]:
         """The canary ids its observations carry: its own, or ``id:step`` per step of a chain."""
+        if self.conform is not None:
+            return (f"{self.id}:low", f"{self.id}:high")
         return (self.id,) if self.steps is None else tuple(f"{self.id}:{s.id}" for s in self.steps)
 
     @property
@@ -393,7 +290,9 @@ class Canary(_Strict):
         return "chat" if self.messages is not None else "completions"
 
     def prompt_hash(self) -> str:
-        body = [m.model_dump() for m in self.messages] if self.messages is not None else self.prompt
+        body: object = [m.model_dump() for m in self.messages] if self.messages is not None else self.prompt
+        if self.tools is not None:
+            body = [body, [t.body() for t in self.tools]]
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
 

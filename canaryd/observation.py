@@ -33,6 +33,9 @@ class ErrorKind(enum.StrEnum):
     CIRCUIT_OPEN = "circuit_open"  # not sent: the backend failed repeatedly and is cooling down
     TOO_LARGE = "too_large"  # the answer passed a cap: body bytes, or more tokens than max_tokens asked
     CHECK_TIMEOUT = "check_timeout"  # the expected-answer check ran out of time (a backtracking regex)
+    # A conformance canary could not show the server honours the parameter it varies: ignored (over the
+    # limit, not cut, no effect), or not measurable (no reasoning tokens reported)
+    NONCONFORMANT = "nonconformant"
     STOPPED = "stopped"  # not sent: canaryd was stopping (SIGTERM) when its turn came
     INTERNAL = "internal"
 
@@ -57,6 +60,15 @@ class TokenLogprob:
     token_id: int | None = None
     bytes: tuple[int, ...] | None = None
     top: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """One function call an answer made: the name and the arguments exactly as the server sent them (a
+    JSON text; a provider that sends an object instead has it serialised)."""
+
+    name: str
+    arguments: str
 
 
 @dataclass(slots=True)
@@ -84,6 +96,9 @@ class Observation:
     error_kind: ErrorKind | None = None
     stack: dict[str, str] = field(default_factory=dict)  # serving-side facts, see stack.py
     attempts: int = 1  # requests sent for this observation (retries included)
+    # The answer's tool calls (None: the response had none). The text carries them too (`openai_wire`), so
+    # the store keeps them and a baseline compares them like any answer.
+    tool_calls: tuple[ToolCall, ...] | None = None
 
     @property
     def ok(self) -> bool:

@@ -168,6 +168,7 @@ class Prober:
                 return obs
             r = parse(wire.parse_json(reply.body))
             obs.text, obs.system_fingerprint, obs.response_model = r.text, r.system_fingerprint, r.model
+            obs.tool_calls = r.tool_calls
             obs.finish_reason, obs.prompt_tokens, obs.completion_tokens, obs.reasoning_tokens = (
                 r.finish_reason,
                 r.prompt_tokens,

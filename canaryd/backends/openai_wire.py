@@ -23,10 +23,12 @@ from canaryd.observation import (
     LOGPROB_MAX,
     LOGPROB_MIN,
     TokenLogprob,
+    ToolCall,
     logprob_problem,
     storable,
     text_problem,
 )
+from canaryd.toolcalls import choice_body
 
 # Headers that identify the serving side; they join the stack snapshot, so they must be stable per stack.
 # Azure names the model version, the deployment's session and the region serving it.
@@ -94,6 +96,9 @@ SDK_PARAMS = frozenset(
         "top_logprobs",
         "presence_penalty",
         "frequency_penalty",
+        "tools",
+        "tool_choice",
+        "reasoning_effort",
     }
 )
 
@@ -139,6 +144,7 @@ class Parsed:
     service_tier: str | None
     reasoning_tokens: int | None = None
     provider: str | None = None
+    tool_calls: tuple[ToolCall, ...] | None = None  # None: the answer called no tool
 
 
 def _typed(value: Any, kind: type | tuple[type, ...], where: str, optional: bool = True) -> Any:
@@ -264,12 +270,50 @@ def parse_chat(body: Any) -> Parsed:
     choice, parsed = _envelope(body)
     message = _typed(choice.get("message"), dict, "choices.0.message") or {}
     text = _typed(message.get("content"), str, "choices.0.message.content")
+    calls = _tool_calls(message.get("tool_calls"), "choices.0.message.tool_calls")
+    parsed = replace(parsed, text=with_calls(text, calls), tool_calls=calls)
     logprobs = _typed(choice.get("logprobs"), dict, "choices.0.logprobs") or {}
     content = _typed(logprobs.get("content"), list, "choices.0.logprobs.content")
     if content is None:
-        return replace(parsed, text=text, tokens=_legacy_tokens(logprobs, choice))
+        return replace(parsed, tokens=_legacy_tokens(logprobs, choice))
     tokens = _entries(content, _token_ids(choice), "choices.0.logprobs.content")
-    return replace(parsed, text=text, tokens=tokens)
+    return replace(parsed, tokens=tokens)
+
+
+TOOL_CALL_TAG = "[tool_call] "  # a tool call in an answer's text: the tag and its JSON, on a line of its own
+
+
+def with_calls(text: str | None, calls: tuple[ToolCall, ...] | None) -> str | None:
+    """The answer's text with each tool call appended as a line ``[tool_call] {"name": …, "arguments": …}``
+    (arguments as sent): the store keeps the calls and a baseline compares them, on either basis."""
+    if not calls:
+        return text
+    lines = [
+        TOOL_CALL_TAG + json.dumps({"name": c.name, "arguments": c.arguments}, ensure_ascii=False)
+        for c in calls
+    ]
+    return "\n".join([text, *lines] if text else lines)
+
+
+def _arguments(value: Any, where: str) -> str:
+    """Arguments as a JSON text: OpenAI sends a string; a provider that sends an object has it serialised."""
+    if isinstance(value, dict | list):
+        return json.dumps(value, ensure_ascii=False)
+    return _typed(value, str, where, optional=False)
+
+
+def _tool_calls(value: Any, where: str) -> tuple[ToolCall, ...] | None:
+    """OpenAI's ``message.tool_calls`` (``{id, type, function: {name, arguments}}`` each), or None."""
+    items = _typed(value, list, where)
+    if not items:
+        return None
+    calls = []
+    for i, item in enumerate(items):
+        item = _typed(item, dict, f"{where}.{i}", optional=False)
+        fn = _typed(item.get("function"), dict, f"{where}.{i}.function", optional=False)
+        name = _typed(fn.get("name"), str, f"{where}.{i}.function.name", optional=False)
+        calls.append(ToolCall(name, _arguments(fn.get("arguments", ""), f"{where}.{i}.function.arguments")))
+    return tuple(calls)
 
 
 def _entries(content: list, ids: list | None, at: str) -> list[TokenLogprob]:
@@ -365,6 +409,12 @@ def request_body(model: str, canary: Canary, profile: RequestProfile = DEFAULT) 
         body["prompt"] = canary.prompt
         if profile.logprobs != "off":
             body["logprobs"] = k
+    if d.reasoning_effort is not None:
+        body["reasoning_effort"] = d.reasoning_effort
+    if canary.tools is not None:
+        body["tools"] = [t.body() for t in canary.tools]
+        if canary.tool_choice is not None:
+            body["tool_choice"] = choice_body(canary.tool_choice)
     for key in profile.omit:
         body.pop(key, None)
     return body
@@ -381,6 +431,15 @@ def responses_body(model: str, canary: Canary, profile: RequestProfile = DEFAULT
     if profile.logprobs != "off":
         body["top_logprobs"] = min(d.top_logprobs, profile.top_logprobs)
         body["include"] = ["message.output_text.logprobs"]
+    if d.reasoning_effort is not None:
+        body["reasoning"] = {"effort": d.reasoning_effort}
+    if canary.tools is not None:  # the Responses API's function tools are flat
+        body["tools"] = [{"type": "function", **t.function.body()} for t in canary.tools]
+        if canary.tool_choice is not None:
+            choice = choice_body(canary.tool_choice)
+            body["tool_choice"] = (
+                choice if isinstance(choice, str) else {"type": "function", **choice["function"]}
+            )
     for key in profile.omit:
         body.pop(key, None)
     return body
@@ -396,8 +455,12 @@ def parse_responses(body: Any) -> Parsed:
     body = _typed(body, dict, "(body)", optional=False)
     texts: list[str] = []
     tokens: list[TokenLogprob] | None = []
+    calls: list[ToolCall] = []
     for i, item in enumerate(_typed(body.get("output"), list, "output", optional=False)):
         item = _typed(item, dict, f"output.{i}", optional=False)
+        if item.get("type") == "function_call":
+            name = _typed(item.get("name"), str, f"output.{i}.name", optional=False)
+            calls.append(ToolCall(name, _arguments(item.get("arguments", ""), f"output.{i}.arguments")))
         if item.get("type") != "message":
             continue
         for j, part in enumerate(_typed(item.get("content"), list, f"output.{i}.content") or ()):
@@ -418,7 +481,8 @@ def parse_responses(body: Any) -> Parsed:
     reason = _typed(incomplete.get("reason"), str, "incomplete_details.reason")
     finish = {"completed": "stop", "incomplete": "length" if reason == "max_output_tokens" else reason}
     return Parsed(
-        text="".join(texts) if texts else None,
+        text=with_calls("".join(texts) if texts else None, tuple(calls)),
+        tool_calls=tuple(calls) or None,
         tokens=tokens if texts else None,
         finish_reason=finish.get(status or "", status),
         prompt_tokens=_typed(usage.get("input_tokens"), int, "usage.input_tokens"),

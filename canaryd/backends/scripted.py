@@ -23,7 +23,13 @@ OpenRouter providers): the observation is judged on text, unless ``require_logpr
 with ``request.logprobs = "require"``) makes it a ``no_logprobs`` error. ``reasoning_tokens`` (all
 canaries, or by canary id) reports hidden reasoning as OpenAI-style usage does (counted in
 ``completion_tokens`` too), each attempt drawn within ± ``reasoning_jitter`` of it; a change's
-``reasoning_tokens`` replaces it (a provider silently lowering reasoning effort).
+``reasoning_tokens`` replaces it (a provider silently lowering reasoning effort). ``reasoning_effort``
+maps a request's effort to its reasoning tokens (``{ low = 100, high = 400 }``).
+
+``tool_calls`` (by canary id) answers a canary that offers tools with that call; a change's ``tool_call``
+replaces it (``no_tool_call = true``: answers with text instead). ``ignore`` lists request parameters the
+server silently ignores (``max_tokens``: the answer is never cut; ``reasoning_effort``: the effort's
+reasoning tokens are not applied), in the settings or from a change on.
 """
 
 from __future__ import annotations
@@ -43,10 +49,18 @@ from canaryd.backends import refusals
 from canaryd.backends.base import BackendSettings, BackendUnavailable
 from canaryd.canaries import Canary
 from canaryd.fields import Strict
-from canaryd.observation import ErrorKind, Observation, TokenLogprob, utcnow
+from canaryd.observation import ErrorKind, Observation, TokenLogprob, ToolCall, utcnow
 
 ENGINE_VERSION_FIELD = "scripted.version"
 VERSION = "1"
+Ignorable = Literal["max_tokens", "reasoning_effort"]
+
+
+class ScriptedCall(Strict):
+    """A tool call the scripted server answers with; ``arguments`` is the JSON text sent (may be broken)."""
+
+    name: str
+    arguments: str = "{}"
 
 
 class Change(Strict):
@@ -67,6 +81,9 @@ class Change(Strict):
     error: ErrorKind | None = None  # every attempt fails so ...
     fail_attempts: Annotated[int, Field(ge=0)] | None = None  # ... or only the first N of each probe
     down: bool = False  # the snapshot fails: the backend is unreachable
+    tool_call: ScriptedCall | None = None  # the tool call answered, replaced
+    no_tool_call: bool = False  # a canary offering tools gets text, no call
+    ignore: tuple[Ignorable, ...] = ()  # request parameters silently ignored from now on
 
     def applies(self, cycle: int, canary_id: str | None = None) -> bool:
         in_time = self.at <= cycle and (self.until is None or cycle < self.until)
@@ -87,6 +104,9 @@ class Settings(BackendSettings):
     require_logprobs: bool = False  # an answer without logprobs is a `no_logprobs` error
     reasoning_tokens: Annotated[int, Field(ge=0)] | dict[str, Annotated[int, Field(ge=0)]] | None = None
     reasoning_jitter: Annotated[int, Field(ge=0)] = 0
+    reasoning_effort: dict[str, Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
+    tool_calls: dict[str, ScriptedCall] = Field(default_factory=dict)
+    ignore: tuple[Ignorable, ...] = ()
     changes: tuple[Change, ...] = ()
     # Where the cycle count persists, so that separate `canaryd check` processes count on (default: the
     # count lives in the process, from 0).
@@ -165,12 +185,15 @@ class Prober:
                 if change.error is ErrorKind.RATE_LIMITED:
                     obs.headers = {"retry-after": "0"}
                 return obs
-        text = self._answer(canary, active, draw)
+        ignored = {*self.cfg.ignore, *(p for c in active for p in c.ignore)}
+        calls = self._calls(canary, active)
+        text = wire.with_calls(None, calls) if calls else self._answer(canary, active, draw)
+        obs.tool_calls = calls
         shift = sum(c.logprob_shift for c in active)
         noise = next((c.noise for c in reversed(active) if c.noise is not None), self.cfg.noise)
         rng = random.Random(f"{self.cfg.seed}:{canary.id}:{draw}")
         d = canary.decoding
-        chars = list(text)[: d.max_tokens]
+        chars = list(text) if "max_tokens" in ignored else list(text)[: d.max_tokens]
         obs.tokens = [
             self._token(canary.id, i, ch, d.top_logprobs, shift, noise, rng) for i, ch in enumerate(chars)
         ]
@@ -178,7 +201,8 @@ class Prober:
         obs.finish_reason = "length" if len(chars) < len(text) else "stop"
         prompt = canary.prompt or "".join(m.content for m in canary.messages or ())
         obs.prompt_tokens = len(prompt) + sum(c.prompt_tokens_delta for c in active)
-        obs.reasoning_tokens = self._reasoning(canary.id, active, rng)
+        effort = None if "reasoning_effort" in ignored else d.reasoning_effort
+        obs.reasoning_tokens = self._reasoning(canary.id, active, rng, effort)
         obs.completion_tokens = len(chars) + (obs.reasoning_tokens or 0)
         fingerprint = next((c.fingerprint for c in reversed(active) if c.fingerprint), self.cfg.fingerprint)
         obs.system_fingerprint, obs.response_model = fingerprint, self.cfg.model
@@ -190,9 +214,19 @@ class Prober:
                 obs.error_kind, obs.error = ErrorKind.NO_LOGPROBS, "response carries no logprobs"
         return obs
 
-    def _reasoning(self, canary_id: str, active: list[Change], rng: random.Random) -> int | None:
+    def _calls(self, canary: Canary, active: list[Change]) -> tuple[ToolCall, ...] | None:
+        if canary.tools is None or any(c.no_tool_call for c in active):
+            return None
+        call = next((c.tool_call for c in reversed(active) if c.tool_call is not None), None)
+        call = call or self.cfg.tool_calls.get(canary.id)
+        return None if call is None else (ToolCall(call.name, call.arguments),)
+
+    def _reasoning(
+        self, canary_id: str, active: list[Change], rng: random.Random, effort: str | None = None
+    ) -> int | None:
         base = self.cfg.reasoning_tokens
         n = base.get(canary_id) if isinstance(base, dict) else base
+        n = self.cfg.reasoning_effort.get(effort, n) if effort is not None else n
         n = next((c.reasoning_tokens for c in reversed(active) if c.reasoning_tokens is not None), n)
         if n is None or not self.cfg.reasoning_jitter:
             return n

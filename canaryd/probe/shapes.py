@@ -6,7 +6,13 @@
   baseline; the canary's ``expect`` judges the final step, which, once the cycle's decision has settled
   every step's verdict, names the first step that diverged (`chain.mark_divergence`);
 * **sampled**: n draws per cycle, judged as a set against the baseline run's n draws by two-sample tests
-  (`canaryd.judge.sampled`); it needs no calibration.
+  (`canaryd.judge.sampled`); it needs no calibration;
+* **conformance**: two requests differing in one parameter (`canaryd.conform`), ``id:low`` and ``id:high``,
+  each compared with its own baseline; then the pair is judged (`canaryd.judge.conformance.judge_pair`) and
+  a side that shows the parameter was not honoured becomes a ``nonconformant`` error.
+
+A plain canary may expect a tool call (``expect.tool_call``): its correctness is the call's check, and a
+failed check's reason joins the comparison's.
 
 `shape_of` is the one place that asks which shape a canary is; everything else calls the shape.
 """
@@ -18,7 +24,9 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from canaryd.canaries import Canary, CheckTimeout, Expect
+from canaryd.conform import SIDES
 from canaryd.judge.compare import Comparison, Verdict, basis_of, compare
+from canaryd.judge.conformance import judge_pair, tool_call_verdict
 from canaryd.judge.sampled import compare_samples
 from canaryd.judge.stats import CalibrationError, NoiseModel
 from canaryd.observation import ErrorKind, Observation
@@ -46,7 +54,16 @@ class Judged:
 
 def _correct(expect: Expect | None, obs: Observation) -> bool | None:
     """Whether ``obs`` is the known answer (None: no expectation, or a failed probe). `CheckTimeout`."""
-    return expect.check(obs.text or "") if expect and obs.ok else None
+    return _checked(expect, obs)[0]
+
+
+def _checked(expect: Expect | None, obs: Observation) -> tuple[bool | None, str | None]:
+    """(correct, why not when the check can say): a tool call is judged on the structured call."""
+    if not (expect and obs.ok):
+        return None, None
+    if expect.tool_call is not None:
+        return tool_call_verdict(expect.tool_call, obs)
+    return expect.check(obs.text or ""), None
 
 
 def _timed_out(obs: Observation, e: CheckTimeout) -> None:
@@ -55,8 +72,9 @@ def _timed_out(obs: Observation, e: CheckTimeout) -> None:
 
 
 def _compare(store: Judging, settings: CompareConfig, obs: Observation, expect: Expect | None) -> Judged:
+    why = None
     try:
-        correct = _correct(expect, obs)
+        correct, why = _checked(expect, obs)
     except CheckTimeout as e:
         correct = None
         _timed_out(obs, e)
@@ -76,6 +94,8 @@ def _compare(store: Judging, settings: CompareConfig, obs: Observation, expect: 
     )
     if refused is not None and obs.ok:
         comparison = replace(comparison, reasons=(*comparison.reasons, refused))
+    if why is not None and obs.ok:
+        comparison = replace(comparison, reasons=(why, *comparison.reasons))
     return Judged(obs, comparison, base.observation_id if base else None)
 
 
@@ -193,10 +213,60 @@ class Sampled(Plain):
         return out
 
 
-PLAIN, CHAINED, SAMPLED = Plain(), Chained(), Sampled()
+class Conformance(Plain):
+    """The pair of a conformance canary; not a single request (the census leaves it out)."""
+
+    name, single_request = "conformance", False
+
+    @staticmethod
+    def side(canary: Canary, side: str) -> Canary:
+        """The canary with the varied parameter set to the side's value."""
+        spec = canary.conform
+        assert spec is not None
+        return canary.model_copy(
+            update={"decoding": canary.decoding.model_copy(update={spec.param: spec.value(side)})}
+        )
+
+    def send(self, backend: Backend, canary: Canary) -> list[Observation]:
+        """Both sides, low first. Vetted without the token-count cap: whether the limit held is the pair's
+        judgement (`judge_pair`), which names it as the server ignoring max_tokens."""
+        out = []
+        for side, observed_id in zip(SIDES, canary.observed_ids(), strict=True):
+            obs = vet.vet(backend.probe(self.side(canary, side)), None)
+            obs.canary_id = observed_id
+            out.append(obs)
+        return out
+
+    def judge(
+        self, store: Judging, settings: CompareConfig, canary: Canary, observations: list[Observation]
+    ) -> list[Judged]:
+        """The pair first (a failing side becomes a ``nonconformant`` error), then each side against its
+        baseline; ``expect``, if any, judges the high side."""
+        assert canary.conform is not None
+        failed = judge_pair(canary.conform, *observations)
+        for side, obs in zip(SIDES, observations, strict=True):
+            if side in failed:
+                obs.error_kind, obs.error = ErrorKind.NONCONFORMANT, failed[side]
+                obs.tokens = []
+        return [
+            _compare(store, settings, obs, canary.expect if side == "high" else None)
+            for side, obs in zip(SIDES, observations, strict=True)
+        ]
+
+    def calibration_probes(
+        self, backend: Backend, canary: Canary, others: Sequence[Canary], *, k: int, batch_sizes: Sizes
+    ) -> Probes:
+        """The pair K times, alone (each side's noise model is its own)."""
+        runs = [self.send(backend, canary) for _ in range(k)]
+        return {obs.canary_id: [r[i] for r in runs] for i, obs in enumerate(runs[0])}
+
+
+PLAIN, CHAINED, SAMPLED, CONFORMANCE = Plain(), Chained(), Sampled(), Conformance()
 
 
 def shape_of(canary: Canary) -> Plain:
+    if canary.conform is not None:
+        return CONFORMANCE
     if canary.steps is not None:
         return CHAINED
     return SAMPLED if canary.decoding.samples > 1 else PLAIN
