@@ -11,15 +11,18 @@ variants (int8 round trip, gaussian noise) that canaries exist to catch.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 from canaryd import progress
 
 MARKER = "canaryd-tinymodel.json"
+PERTURBED = "canaryd-perturbed.json"  # what a perturbed copy was made from, so that a repeat call is free
 # Bump when the build recipe changes so old cached directories are rebuilt.
 RECIPE_VERSION = 1
 SPECIAL_TOKENS = ("<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>")
@@ -189,9 +192,28 @@ def build_tiny_model(
     out_dir = Path(out_dir)
     marker = out_dir / MARKER
     digest = _digest(seed, train, steps, words)
-    if marker.exists() and json.loads(marker.read_text()).get("digest") == digest:
+    if _made(marker, digest):
         return out_dir
+    with _exclusive(out_dir):
+        if not _made(marker, digest):  # another process may have built it while this one waited
+            _build(out_dir, marker, digest, seed, train, steps, words)
+    return out_dir
 
+
+def _made(marker: Path, digest: str) -> bool:
+    return marker.exists() and json.loads(marker.read_text()).get("digest") == digest
+
+
+@contextmanager
+def _exclusive(out_dir: Path) -> Iterator[None]:
+    """One builder per model directory across processes (test workers share the model cache)."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(out_dir.parent / f".{out_dir.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _build(out_dir: Path, marker: Path, digest: str, seed: int, train: Train, steps: int, words) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -209,7 +231,6 @@ def build_tiny_model(
     _save_tokenizer(tok, out_dir)
     info = {"digest": digest, "seed": seed, "train_pairs": len(train), "steps_used": used, "learned": ok}
     marker.write_text(json.dumps(info, indent=2))
-    return out_dir
 
 
 def perturb_weights(src: Path, dst: Path, *, mode: str, scale: float = 0.05, seed: int = 0) -> Path:
@@ -219,17 +240,31 @@ def perturb_weights(src: Path, dst: Path, *, mode: str, scale: float = 0.05, see
     like a careless quantised deployment.  ``noise``: add seeded gaussian noise
     with std ``scale`` times each 2-D tensor's own std.  Tokenizer and config
     are copied unchanged; the build marker is not, so ``dst`` is never
-    mistaken for a cached clean build.
+    mistaken for a cached clean build.  A marker of its own (the source's
+    weight files and the recipe) makes a repeat call free, and one process
+    at a time writes ``dst``, so parallel test workers never read a half copy.
     """
-    import torch
-    from safetensors.torch import load_file, save_file
-
     if mode not in ("int8", "noise"):
         raise ValueError(f"unknown perturbation mode {mode!r} (expected 'int8' or 'noise')")
     src, dst = Path(src), Path(dst)
+    weights = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(src.glob("*.safetensors"))]
+    recipe = json.dumps({"src": weights, "mode": mode, "scale": scale, "seed": seed})
+    digest = hashlib.sha256(recipe.encode()).hexdigest()
+    with _exclusive(dst):
+        if not _made(dst / PERTURBED, digest):
+            _perturb(src, dst, mode, scale, seed)
+            (dst / PERTURBED).write_text(json.dumps({"digest": digest}))
+    return dst
+
+
+def _perturb(src: Path, dst: Path, mode: str, scale: float, seed: int) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+
     dst.mkdir(parents=True, exist_ok=True)
+    (dst / PERTURBED).unlink(missing_ok=True)  # a half-finished copy must not look made
     for f in src.iterdir():
-        if f.is_file() and f.name != MARKER and f.suffix != ".safetensors":
+        if f.is_file() and f.name not in (MARKER, PERTURBED) and f.suffix != ".safetensors":
             shutil.copy2(f, dst / f.name)
     gen = torch.Generator().manual_seed(seed)
     for f in sorted(src.glob("*.safetensors")):
@@ -245,4 +280,3 @@ def perturb_weights(src: Path, dst: Path, *, mode: str, scale: float = 0.05, see
                 x = x + torch.randn(x.shape, generator=gen) * (scale * x.std())
             tensors[name] = x.to(w.dtype).contiguous()
         save_file(tensors, dst / f.name, metadata={"format": "pt"})
-    return dst
