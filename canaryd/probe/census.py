@@ -175,7 +175,8 @@ def take_census(
 ) -> CensusReport:
     """`run_census` for each chosen single-request canary of each (or one) backend; nothing is stored.
 
-    ``canary_ids`` narrows the canaries (default: all); an unknown or chained one is an `InputError`.
+    ``canary_ids`` narrows the canaries (default: all); an unknown one, or one of several requests per probe
+    (chained, conformance), is an `InputError`.
     Each backend is built with room for ``max(sizes)`` requests in flight; one that is unreachable is
     reported in ``unavailable`` and the census goes on with the others.
     """
@@ -189,13 +190,16 @@ def take_census(
     planned = plan(
         config, load_suites([s.path for s in config.suites], config.limits.suite_bytes), only=backend
     )
-    # one request per probe: a chained canary's steps depend on each other's outputs, so it is left out
+    # one request per probe: a chained canary's steps depend on each other's outputs, a conformance pair's
+    # sides differ on purpose, so both are left out
     work = {b: [c for c in cs if shape_of(c).single_request] for b, cs in planned.items()}
-    chained = {c.id for cs in planned.values() for c in cs if not shape_of(c).single_request}
+    several = {c.id: s.name for cs in planned.values() for c in cs if not (s := shape_of(c)).single_request}
     known = {c.id for cs in work.values() for c in cs}
     for cid in canary_ids or ():
-        if cid in chained:
-            raise InputError(f"--canary: {cid!r} is a chained canary; the census takes single-request ones")
+        if cid in several:
+            raise InputError(
+                f"--canary: {cid!r} is a {several[cid]} canary; the census takes single-request ones"
+            )
         if cid not in known:
             raise InputError(f"--canary: unknown canary {cid!r} (not in the suites of the chosen backends)")
     censuses: list[Census] = []

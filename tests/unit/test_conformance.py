@@ -285,3 +285,9 @@ def test_an_honouring_server_passes_and_one_that_ignores_a_parameter_is_caught(l
     assert m.registry.get_sample_value("canaryd_backend_probe_failures_total", labels) == 2
     pair = {"backend": "fake", "canary": "lim:low"}
     assert m.registry.get_sample_value("canaryd_canary_verdict", {**pair, "verdict": "error"}) == 1
+
+
+def test_the_census_refuses_a_pair_by_its_shapes_name(lab):
+    p = lab.cli("census", "--canary", "lim")
+    assert p.returncode == 2
+    assert "'lim' is a conformance canary; the census takes single-request ones" in p.stderr
