@@ -40,6 +40,7 @@ KINDS: dict[str, str] = {
     "openai-responses": "canaryd.backends.openai_responses",
     "vllm-offline": "canaryd.backends.vllm_offline",
     "scripted": "canaryd.backends.scripted",
+    "litellm": "canaryd.backends.litellm",
 }
 
 # Stack field families (the first dotted part, ``host.`` skipped) in the order `explain` suggests
