@@ -121,7 +121,8 @@ def _scrub(value: object) -> object:
 def engine_fields(args: dict[str, str]) -> dict[str, str]:
     """``engine.<name>`` for every argument but the volatile ones, secrets redacted; a JSON object value is
     re-serialised with sorted keys (the same config written in another order is the same config)."""
-    secrets = [v for k, v in args.items() if is_secret_name(k) and v not in ("true", "false", "")]
+    given = [v for k, v in args.items() if is_secret_name(k) and v not in ("true", "false")]
+    secrets = sorted({p for v in given for p in (v, *v.split()) if len(p) >= 4}, key=len, reverse=True)
     out: dict[str, str] = {}
     for name, value in sorted(args.items()):
         if _VOLATILE.match(name):
@@ -129,7 +130,7 @@ def engine_fields(args: dict[str, str]) -> dict[str, str]:
         if is_secret_name(name):
             out[f"engine.{name}"] = REDACTED
             continue
-        if value[:1] in "{[":
+        if value.startswith(("{", "[")):
             with contextlib.suppress(ValueError):  # not JSON after all: kept as given
                 value = json.dumps(_scrub(json.loads(value)), sort_keys=True, separators=(",", ":"))
         for secret in secrets:  # a key echoed inside another value stays out too

@@ -120,6 +120,11 @@ def test_secrets_are_redacted_and_volatile_arguments_left_out():
         assert leaked not in repr(fields)
 
 
+def test_each_of_several_keys_is_kept_out_of_other_values():
+    fields = ea.engine_fields({"api_key": "key-one key-two", "middleware": "m?k=key-two"})
+    assert fields == {"engine.api_key": "<redacted>", "engine.middleware": "m?k=<redacted>"}
+
+
 def test_json_values_are_canonical():
     a = ea.engine_fields({"compilation_config": '{"level": 3, "cudagraph_mode": "NONE"}'})
     b = ea.engine_fields({"compilation_config": '{"cudagraph_mode":"NONE","level":3}'})
