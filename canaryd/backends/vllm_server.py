@@ -71,6 +71,8 @@ model = "my-model"          # the served model name
 # api_key_env = "VLLM_API_KEY" # if the server was started with --api-key
 timeout_s = 60               # per request
 concurrency = 4              # canaries in flight at once on this backend
+# host_probe = { python = "/opt/vllm/bin/python" }  # canaryd on the server's host: its launch arguments
+#                                                   # (engine.*), environment, packages, GPU and weights
 """
 ENGINE_VERSION_FIELD = "vllm.version"
 
