@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install the LiteLLM proxy the gateway tests run, in its own venv (.cache/engines/litellm/), so that its
-# pins never touch the main venv's vLLM. Idempotent: a venv whose proxy already imports at the pinned
-# version is kept. Prints the path of the `litellm` binary.
+# pins never touch the main venv's vLLM. Idempotent: a venv whose proxy imported at the pinned version
+# (a marker file says so) is kept as it is. Prints the path of the `litellm` binary.
 #
 # litellm[proxy] 1.110.2 cannot be installed as such from the package index CI uses: it requires a
 # `litellm-proxy` distribution the index does not serve, and .post releases of litellm-proxy-extras and
@@ -23,7 +23,9 @@ from importlib.metadata import version
 import litellm.proxy.proxy_server  # noqa: F401
 sys.exit(version('litellm') != '$VERSION')" >/dev/null 2>&1
 }
-if ready; then
+# A marker written once the proxy imported: checking it costs nothing (importing the proxy takes ~20 s).
+MARK="$VENV/.installed-$VERSION"
+if [ -f "$MARK" ] && [ -x "$VENV/bin/litellm" ]; then
     echo "$PWD/$VENV/bin/litellm"
     exit 0
 fi
@@ -47,4 +49,5 @@ PY
 )
 "${pip[@]}" "${reqs[@]}" 2>&1 | grep -v "^WARNING: Location" >&2 || true
 ready || { echo "install_litellm: the litellm proxy does not import in $VENV" >&2; exit 1; }
+touch "$MARK"
 echo "$PWD/$VENV/bin/litellm"
