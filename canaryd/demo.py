@@ -4,7 +4,9 @@
 2. serve it with a real vLLM (float32) and probe: the first observations become the baselines;
 3. probe again: everything is ``identical``;
 4. restart the *same weights* with ``--dtype bfloat16`` — same model name, same answers, a silent shift;
-5. probe again: canaryd reports drift and names the stack fields that moved.
+5. probe again: canaryd reports drift and names the stack fields that moved, the cause first: the host
+   probe reads the server's own command line, so ``engine.dtype: float32 -> bfloat16`` leads the advice,
+   before the cache sizes it implies.
 
 The demo exits 0 when canaryd behaved as described, 1 otherwise.
 """
@@ -20,6 +22,7 @@ from canaryd.config import load_config
 from canaryd.judge.compare import Verdict
 from canaryd.probe.run import Result, run_pass
 from canaryd.progress import shown
+from canaryd.report.record import revert_rank, suggest
 from canaryd.report.tables import print_tables, results_table, stack_changes_table
 from canaryd.scaffold import shipped_canaries
 
@@ -62,7 +65,11 @@ def run_demo(workdir: Path, console: Console, progress: bool = True) -> int:
     port = free_port()
     cfg_path = workdir / "canaryd.toml"
     cfg_path.write_text(
-        CONFIG.format(state=workdir / "state", suite=suite_path, backend=backend_block("local-vllm", port))
+        CONFIG.format(
+            state=workdir / "state",
+            suite=suite_path,
+            backend=backend_block("local-vllm", port, host_probe=True),
+        )
     )
     (workdir / "state" / "canaryd.db").unlink(missing_ok=True)  # every demo starts from an empty history
     config = load_config(cfg_path)
@@ -86,18 +93,25 @@ def run_demo(workdir: Path, console: Console, progress: bool = True) -> int:
         first = show("2. first probe: observations become baselines", probed())
         again = show("3. probe again, nothing changed", probed())
     with serve("bfloat16"):
-        shifted = show("4-5. same weights restarted with --dtype bfloat16: a silent shift", probed())
+        shifted_results = probed()
+        shifted = show("4-5. same weights restarted with --dtype bfloat16: a silent shift", shifted_results)
 
+    changes = sorted(
+        {c for r in shifted_results for c in r.comparison.stack_changes},
+        key=lambda c: (revert_rank(c.field), c.field),
+    )
+    console.print(f"what to revert first: {suggest(changes)}")
     drift = sum(n for v, n in shifted.items() if Verdict(v).is_drift)
     ok = (
         first == {"baseline": len(suite.canaries)}
         and again == {"identical": len(suite.canaries)}
         and drift > 0
+        and [(c.field, c.before, c.after) for c in changes[:1]] == [("engine.dtype", "float32", "bfloat16")]
     )
     console.rule("result")
     console.print(
         f"{'OK' if ok else 'UNEXPECTED'}: baseline {first.get('baseline', 0)}, identical on re-probe "
         f"{again.get('identical', 0)}, drift after the silent shift {drift} of {len(suite.canaries)}.\n"
-        f"Explore: canaryd -c {cfg_path} history | stack | baseline accept | check"
+        f"Explore: canaryd -c {cfg_path} explain local-vllm | history | stack | baseline accept | check"
     )
     return 0 if ok else 1

@@ -44,6 +44,7 @@ KINDS: dict[str, str] = {
     "sglang": "canaryd.backends.sglang",
     "tgi": "canaryd.backends.tgi",
     "ollama": "canaryd.backends.ollama",
+    "litellm": "canaryd.backends.litellm",
 }
 
 # Stack field families (the first dotted part, ``host.`` skipped) in the order `explain` suggests

@@ -22,7 +22,7 @@ from typing import Any, Literal
 from canaryd import __version__
 from canaryd.backends import openai_wire as wire
 from canaryd.backends import refusals
-from canaryd.backends.base import BackendUnavailable, HttpSettings
+from canaryd.backends.base import BackendUnavailable, HttpSettings, log
 from canaryd.backends.profile import DEFAULT, RequestProfile
 from canaryd.canaries import Canary
 from canaryd.lazy import lazy_import
@@ -85,6 +85,7 @@ class Prober:
         self.profile = cfg.profile
         self._key = cfg.api_key()
         self._requests: dict[Canary, Prepared] = {}  # a plain dict: a race only builds a body twice
+        self._dropped_logged = False  # a gateway dropping logprobs is logged once, not per answer
         headers = {"Accept": "application/json", "User-Agent": _user_agent()}
         if self._key:
             headers["Authorization"] = f"Bearer {self._key}"
@@ -113,7 +114,26 @@ class Prober:
         if r.provider is not None:
             fields["response.provider"] = r.provider
         fields.update({f"header.{h}": headers[h] for h in wire.IDENTITY_HEADERS if h in headers})
+        fields.update(wire.gateway_fields(headers))
         return fields
+
+    def gateway_logprobs(self, obs: Observation, r: wire.Parsed, asked: bool) -> None:
+        """Through a gateway (LiteLLM's headers, OpenRouter's ``provider``), whether the logprobs asked for
+        came back, as the stack field ``gateway.logprobs``: a gateway that drops them (LiteLLM's
+        ``drop_params``, an upstream that has none) is a stack change, never an unexplained ``identical``,
+        and is logged once per backend."""
+        if not asked or not (r.provider is not None or any(k.startswith("gateway.") for k in obs.stack)):
+            return
+        obs.stack["gateway.logprobs"] = "passed" if r.tokens is not None else "dropped"
+        if r.tokens is None and not self._dropped_logged:
+            self._dropped_logged = True
+            via = obs.stack.get("gateway.model_name") or obs.stack.get("response.provider") or "?"
+            log.warning(
+                "gateway_dropped_logprobs",
+                backend=self.name,
+                upstream=via,
+                consequence="answers are judged on their text; stack field gateway.logprobs = dropped",
+            )
 
     # -- probing ------------------------------------------------------------------------------------
     def extra_params(self, canary: Canary) -> dict:
@@ -176,6 +196,7 @@ class Prober:
                 r.reasoning_tokens,
             )
             obs.stack = self.response_stack(r, reply.headers)
+            self.gateway_logprobs(obs, r, asked=bool(req.body.get("logprobs")))
             if r.tokens is not None and self.profile.logprobs != "off":
                 obs.tokens = r.tokens
             elif self.profile.logprobs == "require":

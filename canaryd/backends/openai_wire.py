@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -58,6 +59,18 @@ RECORDED_HEADERS = frozenset(
     }
 )
 MAX_HEADER_VALUE = 256  # characters kept of each recorded header's value
+# What a LiteLLM proxy says about the deployment that served a request, as the stack field ``gateway.<name>``
+# (litellm 1.110 sends these on every answer: proxy/common_request_processing.py, get_custom_headers). Each
+# is stable per deployment; per-request ones (call id, durations, spend, retries) are left out.
+GATEWAY_HEADERS = {
+    "x-litellm-model-group": "model_group",  # the name the client asked for
+    "x-litellm-model-id": "model_id",  # the deployment: a hash of its settings, unless the config names it
+    "x-litellm-model-name": "model_name",  # what the deployment calls upstream, e.g. hosted_vllm/my-model
+    "x-litellm-model-api-base": "api_base",  # where (LiteLLM strips the query)
+    "x-litellm-model-region": "region",
+    "x-litellm-version": "version",
+    "llm_provider-server": "upstream_server",  # the upstream's own Server header, forwarded
+}
 
 
 def keep_header(name: str) -> bool:
@@ -75,6 +88,17 @@ def kept_headers(headers: Mapping[str, str] | Iterable[tuple[str, str]]) -> dict
         key = str(name).lower()
         if keep_header(key):
             out[key] = storable(str(value)[:MAX_HEADER_VALUE])
+    return out
+
+
+def gateway_fields(headers: Mapping[str, str]) -> dict[str, str]:
+    """``gateway.*`` stack fields from a gateway's response headers (none when no gateway answered)."""
+    out = {}
+    for header, name in GATEWAY_HEADERS.items():
+        value = headers.get(header)
+        if value:  # credentials in a URL (user:password@) never reach the stack
+            value = re.sub(r"//[^/@\s]+@", "//<redacted>@", value)
+            out[f"gateway.{name}"] = storable(value[:MAX_HEADER_VALUE])
     return out
 
 

@@ -11,9 +11,11 @@ What no endpoint shows (GPU, driver, torch build, installed packages, weight fil
 "/opt/vllm/bin/python", model_dir = "/models/x" }`` runs ``hostfacts.py`` (beside this module) under the
 serving venv's interpreter (isolated, stdlib only) and merges its fields as ``host.*``. ``model_dir``
 defaults to ``/v1/models``' ``root``; file hashes are cached (by inode, size and change times) under the
-user's cache directory. It reports the host, not the server process: the server's environment variables are
-not visible to it, so ``env.*`` is left out. A failure (missing interpreter, timeout, bad output) becomes
-one ``host.error`` field, never an exception. Off by default.
+user's cache directory. A failure (missing interpreter, timeout, bad output) becomes one ``host.error``
+field, never an exception. With the host probe canaryd also reads the server process itself, the one
+listening on ``base_url``'s port (`engine_args.py`): its launch arguments as ``engine.*`` (``engine.dtype``,
+``engine.enforce_eager`` …, secrets redacted) and its numerics-relevant environment as ``env.*``, the
+causes `explain` names before the cache sizes they imply. Off by default.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ import re
 import subprocess
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
-from canaryd.backends import openai_compat
+from canaryd.backends import engine_args, openai_compat
 from canaryd.backends.base import HttpSettings
 from canaryd.canaries import Canary
 from canaryd.fields import Strict
@@ -68,6 +71,8 @@ model = "my-model"          # the served model name
 # api_key_env = "VLLM_API_KEY" # if the server was started with --api-key
 timeout_s = 60               # per request
 concurrency = 4              # canaries in flight at once on this backend
+# host_probe = { python = "/opt/vllm/bin/python" }  # canaryd on the server's host: its launch arguments
+#                                                   # (engine.*), environment, packages, GPU and weights
 """
 ENGINE_VERSION_FIELD = "vllm.version"
 
@@ -112,7 +117,13 @@ class Prober(openai_compat.Prober):
         fields.update(self._section("template", self._template))
         if self.cfg.host_probe is not None:
             fields.update(self._host_facts(fields.get("models.root")))
+            fields.update(engine_args.server_facts(self.port))
         return fields
+
+    @property
+    def port(self) -> int:
+        url = urlsplit(self.cfg.base_url)
+        return url.port or (443 if url.scheme == "https" else 80)
 
     def _host_facts(self, model_root: str | None = None) -> dict[str, str]:
         """``hostfacts.py`` under the serving interpreter, prefixed ``host.``; never raises."""

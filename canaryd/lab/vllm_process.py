@@ -10,6 +10,7 @@ so that ``stop()`` also reaps vLLM's engine-core child processes.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -34,12 +35,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def backend_block(name: str, port: int, *, model: str = "tiny", concurrency: int = 2) -> str:
-    """The ``[[backends]]`` block that probes a `VLLMServer` on ``port`` (the server's own kind)."""
-    return (
+def backend_block(
+    name: str, port: int, *, model: str = "tiny", concurrency: int = 2, host_probe: bool = False
+) -> str:
+    """The ``[[backends]]`` block that probes a `VLLMServer` on ``port`` (the server's own kind); with
+    ``host_probe`` canaryd also reads the server's host and process (it serves from this interpreter)."""
+    block = (
         f'[[backends]]\nname = "{name}"\nkind = "vllm"\nbase_url = "http://127.0.0.1:{port}/v1"\n'
         f'model = "{model}"\nconcurrency = {concurrency}\n'
     )
+    return block + (f"host_probe = {{ python = {json.dumps(sys.executable)} }}\n" if host_probe else "")
 
 
 class VLLMServer:

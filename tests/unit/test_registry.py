@@ -27,6 +27,7 @@ MINIMAL = {
     "sglang": "base_url = 'http://127.0.0.1:9/v1'\nmodel = 'm'\n",
     "tgi": "base_url = 'http://127.0.0.1:9/v1'\nmodel = 'm'\n",
     "ollama": "base_url = 'http://127.0.0.1:9/v1'\nmodel = 'm'\n",
+    "litellm": "base_url = 'http://127.0.0.1:9/v1'\nmodel = 'm'\n",
 }
 
 
