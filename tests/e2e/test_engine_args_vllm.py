@@ -48,15 +48,16 @@ class EngineLab(Lab):
         super().__init__(root, SUITE, CONFIG.replace("{python}", sys.executable), env={"ENGINE_E2E_KEY": KEY})
 
     def start(self, model, dtype: str, eager: bool) -> VLLMServer:
-        """Not `Lab.serve`, which always adds --enforce-eager: here it is the switch under test."""
+        """Not `Lab.serve`, which always adds --enforce-eager: here it is the switch under test. Without
+        it, ``-O0`` (no compilation either) keeps the start quick: torch.compile's warm-up takes minutes."""
         return VLLMServer(
             model,
             port=self.port,
             dtype=dtype,
             api_key=KEY,
-            extra_args=["--enforce-eager"] if eager else [],
+            extra_args=["--enforce-eager"] if eager else ["-O0"],
             log_path=self.root / f"vllm-{dtype}.log",
-            startup_timeout=180 if eager else 600,  # torch.compile's warm-up: minutes on a busy CPU
+            startup_timeout=180,
         )
 
     def stack(self, run: str) -> dict:
@@ -125,6 +126,7 @@ def test_engine_arguments_switches_are_named_first_and_the_key_is_kept_nowhere(l
         after = json.loads(p.stdout)
         stack = lab.stack(after["results"][0]["run_id"])
         assert stack["engine.dtype"] == "bfloat16" and "engine.enforce_eager" not in stack
+        assert stack["engine.optimization_level"] == "0"
         metrics = metrics_text(lab)
         assert 'canaryd_backend_stack_info{backend="local"' in metrics
 
