@@ -1,5 +1,5 @@
-"""What the engine kinds (``sglang``, ``tgi``, ``ollama``) share: an introspection endpoint read into flat
-stack fields without ever raising, and the canonical form of the values they report.
+"""What the engine kinds (``vllm``, ``sglang``, ``tgi``, ``ollama`` …) share: an introspection endpoint read
+into flat stack fields without ever raising, and the canonical form of the values they report.
 
 Every engine reports its launch arguments its own way (SGLang's server args, TGI's ``/info``, Ollama's
 Modelfile parameters); all of them land in the one ``engine.*`` family, so that `explain` ranks a changed

@@ -30,6 +30,7 @@ from urllib.parse import urlsplit
 
 from canaryd.backends import engine_args, openai_compat
 from canaryd.backends.base import HttpSettings
+from canaryd.backends.engine_info import section
 from canaryd.canaries import Canary
 from canaryd.fields import Strict
 
@@ -111,10 +112,10 @@ class Prober(openai_compat.Prober):
 
     def snapshot(self) -> dict[str, str]:
         fields = super().snapshot()
-        fields.update(self._section("vllm", self._version))
-        fields.update(self._section("models", self._models))
-        fields.update(self._section("metrics", self._metrics))
-        fields.update(self._section("template", self._template))
+        fields.update(section("vllm", self._version))
+        fields.update(section("models", self._models))
+        fields.update(section("metrics", self._metrics))
+        fields.update(section("template", self._template))
         if self.cfg.host_probe is not None:
             fields.update(self._host_facts(fields.get("models.root")))
             fields.update(engine_args.server_facts(self.port))
@@ -159,17 +160,6 @@ class Prober(openai_compat.Prober):
         if not isinstance(facts, dict):
             return {"host.error": "host probe output is not a JSON object"}
         return {f"host.{k}": str(v) for k, v in facts.items()}
-
-    def _section(self, name: str, read) -> dict[str, str]:
-        """One introspection endpoint; an HTTP error is recorded as a field (it is a change too)."""
-        from httpx2 import HTTPStatusError
-
-        try:
-            return read()
-        except HTTPStatusError as e:
-            return {f"{name}.error": f"HTTP {e.response.status_code}"}
-        except (ValueError, KeyError, TypeError) as e:
-            return {f"{name}.error": f"unreadable: {e.__class__.__name__}"}
 
     def _version(self) -> dict[str, str]:
         return {"vllm.version": str(self.call("GET", f"{self.root}/version").json()["version"])}
