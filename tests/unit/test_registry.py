@@ -24,6 +24,7 @@ MINIMAL = {
     "openai-responses": "base_url = 'http://127.0.0.1:9/v1'\nmodel = 'm'\n",
     "vllm-offline": "model = '/m'\n",
     "scripted": "",
+    "llamacpp": "base_url = 'http://127.0.0.1:9/v1'\nmodel = 'm'\n",
 }
 
 
