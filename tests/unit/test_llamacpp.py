@@ -82,7 +82,8 @@ def test_the_kind_is_registered_with_its_version_field(tmp_path):
     assert KINDS["llamacpp"] == "canaryd.backends.llamacpp"
     path = tmp_path / "canaryd.toml"
     path.write_text(
-        "suites = ['s.toml']\n[[backends]]\nname = 'l'\nkind = 'llamacpp'\nbase_url = 'http://h/v1'\nmodel = 'm'\n"
+        "suites = ['s.toml']\n[[backends]]\nname = 'l'\nkind = 'llamacpp'\n"
+        "base_url = 'http://h/v1'\nmodel = 'm'\n"
     )
     cfg = load_config(path)
     assert isinstance(cfg.backends[0], Settings)
