@@ -4,7 +4,7 @@
 # The source is the llama.cpp that the PyPI sdist of llama-cpp-python vendors (a registry route with a
 # pinned commit); nothing of the Python package is built. Idempotent: an existing binary built from the
 # same sdist with the same flags is reused at once. CI time is what matters, so the build is the server
-# target alone, at -O1 (the tests serve a model of a few hundred kB: compile time dominates, not speed),
+# target alone, at -O0 (the tests serve a model of a few hundred kB: compile time dominates, not speed),
 # generic CPU code, no OpenMP, no curl/OpenSSL, and no web UI (whose assets would be downloaded at build
 # time from a moving "latest"). LLAMA_CPP_SDIST=path uses an already downloaded sdist (offline builds).
 set -euo pipefail
@@ -15,7 +15,7 @@ DEST=${CANARYD_LLAMA_DIR:-$ROOT/.cache/engines/llama.cpp}
 PY=${PYTHON:-$ROOT/.venv/bin/python}
 JOBS=${JOBS:-$(nproc)}
 FLAGS=(
-  -DCMAKE_BUILD_TYPE=Release "-DCMAKE_C_FLAGS_RELEASE=-O1 -DNDEBUG" "-DCMAKE_CXX_FLAGS_RELEASE=-O1 -DNDEBUG"
+  -DCMAKE_BUILD_TYPE=Release "-DCMAKE_C_FLAGS_RELEASE=-O0 -DNDEBUG" "-DCMAKE_CXX_FLAGS_RELEASE=-O0 -DNDEBUG"
   -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=OFF -DGGML_OPENMP=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF
   -DLLAMA_USE_PREBUILT_UI=OFF
