@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -138,7 +139,7 @@ def test_baseline_answers_and_snapshot(lab, ggufs):
     assert code == 0 and len(stack["stacks"]) == 1, stack
     fields = stack["stacks"][0]["fields"]
     assert fields["model.ftype"] == "all F32" and fields["model.path"] == str(lab.serving)
-    assert fields["llamacpp.commit"] and fields["llamacpp.build"].isdigit()
+    assert re.fullmatch("[0-9a-f]{7,}", fields["llamacpp.commit"]) and fields["llamacpp.build"].isdigit()
     assert fields["engine.n_ctx"] == "512" and fields["engine.top_k"] == "40"
     assert len(fields["template.sha256"]) == 16 and fields["metrics.series"].startswith("llamacpp:")
 

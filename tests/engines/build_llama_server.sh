@@ -44,7 +44,9 @@ tar -xzf "$SDIST" -C "$DEST/src" --strip-components=3 \
   --exclude='*/vendor/llama.cpp/tools/ui/src' --exclude='*/vendor/llama.cpp/tools/ui/static' \
   "llama_cpp_python-$VERSION/vendor/llama.cpp"
 
-cmake -S "$DEST/src" -B "$DEST/build" "${FLAGS[@]}" >&2
+# The sdist's git metadata names the vendored commit; without it the server would report "b0-unknown".
+COMMIT=$(tar -xzOf "$SDIST" "llama_cpp_python-$VERSION/.git/modules/vendor/llama.cpp/HEAD" | cut -c1-7)
+cmake -S "$DEST/src" -B "$DEST/build" "${FLAGS[@]}" "-DLLAMA_BUILD_COMMIT=$COMMIT" >&2
 cmake --build "$DEST/build" --target llama-server -j "$JOBS" >&2
 mkdir -p "$DEST/bin"
 cp "$DEST/build/bin/llama-server" "$BIN"
