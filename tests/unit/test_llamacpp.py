@@ -12,7 +12,15 @@ from pathlib import Path
 import pytest
 
 from canaryd.backends import KINDS, BackendUnavailable, engine_version, make_backend
-from canaryd.backends.llamacpp import Prober, Settings, metrics_fields, models_fields, props_fields, sha16
+from canaryd.backends.llamacpp import (
+    EXAMPLE,
+    Prober,
+    Settings,
+    metrics_fields,
+    models_fields,
+    props_fields,
+    sha16,
+)
 from canaryd.canaries import Canary
 from canaryd.config import load_config
 from canaryd.observation import ErrorKind
@@ -81,10 +89,10 @@ def test_metrics_give_series_names_only():
 def test_the_kind_is_registered_with_its_version_field(tmp_path):
     assert KINDS["llamacpp"] == "canaryd.backends.llamacpp"
     path = tmp_path / "canaryd.toml"
-    path.write_text(
-        "suites = ['s.toml']\n[[backends]]\nname = 'l'\nkind = 'llamacpp'\n"
-        "base_url = 'http://h/v1'\nmodel = 'm'\n"
-    )
+    # the block `canaryd init` writes, uncommented, is a valid config
+    lines = [line.removeprefix("# ") for line in EXAMPLE.splitlines() if line.startswith("# ")]
+    block = "\n".join(lines[lines.index("[[backends]]") :])
+    path.write_text(f"suites = ['s.toml']\n{block}\n")
     cfg = load_config(path)
     assert isinstance(cfg.backends[0], Settings)
     assert engine_version("llamacpp", props_fields(PROPS)) == props_fields(PROPS)["llamacpp.build"]
