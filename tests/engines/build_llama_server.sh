@@ -50,6 +50,6 @@ cmake -S "$DEST/src" -B "$DEST/build" "${FLAGS[@]}" "-DLLAMA_BUILD_COMMIT=$COMMI
 cmake --build "$DEST/build" --target llama-server -j "$JOBS" >&2
 mkdir -p "$DEST/bin"
 cp "$DEST/build/bin/llama-server" "$BIN"
-rm -rf "$DEST/src" "$DEST/build"
+rm -rf "$DEST/src" "$DEST/build" "$DEST/sdist"
 echo "$STAMP" >"$DEST/stamp"
 echo "$BIN"
