@@ -40,6 +40,7 @@ KINDS: dict[str, str] = {
     "openai": "canaryd.backends.openai_compat",
     "openai-responses": "canaryd.backends.openai_responses",
     "vllm-offline": "canaryd.backends.vllm_offline",
+    "llamacpp": "canaryd.backends.llamacpp",
     "scripted": "canaryd.backends.scripted",
     "sglang": "canaryd.backends.sglang",
     "tgi": "canaryd.backends.tgi",

@@ -28,6 +28,7 @@ MINIMAL = {
     "tgi": "base_url = 'http://127.0.0.1:9/v1'\nmodel = 'm'\n",
     "ollama": "base_url = 'http://127.0.0.1:9/v1'\nmodel = 'm'\n",
     "litellm": "base_url = 'http://127.0.0.1:9/v1'\nmodel = 'm'\n",
+    "llamacpp": "base_url = 'http://127.0.0.1:9/v1'\nmodel = 'm'\n",
 }
 
 
