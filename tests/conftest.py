@@ -23,6 +23,15 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 
+# Collected last: modules that need what .ci/run builds in the background (llama.cpp's server), so that the
+# build overlaps the rest of the suite instead of delaying its start.
+LAST = ("tests/e2e/test_llamacpp.py",)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: item.nodeid.split("::")[0] in LAST)  # stable: the rest keep their order
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
     report = yield

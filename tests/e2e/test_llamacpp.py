@@ -10,9 +10,11 @@ Four server starts, about a second each; the binary comes from tests/engines/bui
 
 from __future__ import annotations
 
+import fcntl
 import math
 import os
 import re
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -25,7 +27,9 @@ from tests.e2e.conftest import CACHE, REPO
 from tests.e2e.lab import Lab
 from tests.e2e.services import Service, wait_for
 
-SERVER = Path(os.environ.get("CANARYD_LLAMA_SERVER", REPO / ".cache/engines/llama.cpp/bin/llama-server"))
+BUILT = REPO / ".cache/engines/llama.cpp"
+SERVER = Path(os.environ.get("CANARYD_LLAMA_SERVER", BUILT / "bin/llama-server"))
+BUILD_WAIT_S = 3600
 ADD = [{"role": "user", "content": "What is 17 + 25? Answer with the number only."}]
 CAPITAL = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Capital of France?"}]
 # The same rendering unless the request has tools: what a template update for tool calls looks like.
@@ -60,6 +64,23 @@ timeout_s = 30
 """
 
 
+def wait_for_build() -> None:
+    """Wait while tests/engines/build_llama_server.sh holds its lock: .ci/run builds the server in the
+    background, and this module is collected last (tests/conftest.py) so that the build overlaps the rest."""
+    lock_path = BUILT.with_name(BUILT.name + ".lock")
+    if not lock_path.exists():
+        return
+    deadline = time.monotonic() + BUILD_WAIT_S
+    with open(lock_path) as lock:
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                assert time.monotonic() < deadline, f"llama-server still building after {BUILD_WAIT_S}s"
+                time.sleep(2)
+
+
 class LlamaLab(Lab):
     @contextmanager
     def serve(self, gguf: Path):
@@ -86,6 +107,7 @@ class LlamaLab(Lab):
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory) -> LlamaLab:
+    wait_for_build()
     return LlamaLab(tmp_path_factory.mktemp("llamacpp"), SUITE, CONFIG)
 
 

@@ -23,6 +23,11 @@ FLAGS=(
 STAMP="llama-cpp-python==$VERSION ${FLAGS[*]}"
 BIN=$DEST/bin/llama-server
 
+# One build at a time, and the e2e tests wait on this lock while a build runs (.ci/run starts it in the
+# background, so the compile overlaps the rest of the suite).
+mkdir -p "$(dirname "$DEST")"
+exec 9>"$DEST.lock"
+flock 9
 if [[ -x $BIN && "$(cat "$DEST/stamp" 2>/dev/null)" == "$STAMP" ]]; then
   echo "$BIN"
   exit 0
