@@ -7,7 +7,6 @@ from typing import Annotated
 
 import typer
 
-from canaryd.backends.base import HttpSettings
 from canaryd.commands import JsonFlag, console, emit, load
 from canaryd.errors import EXIT_OK, EXIT_UNAVAILABLE
 
@@ -24,6 +23,7 @@ def doctor(
     returns (token parameter, sampling parameters, logprobs and how many, /completions, fingerprint, reasoning
     tokens); prints the findings and the matching [backends.request] profile. Exit 3 when unreachable."""
     from canaryd import doctor as doc
+    from canaryd.backends.base import HttpSettings
     from canaryd.log import to_stderr
 
     cfg = load(ctx)

@@ -298,12 +298,18 @@ def test_help_version_and_validate_import_only_what_they_use(tmp_path):
     """Issue #16: the CPU figures are bench/cli_startup.py's; here, what must stay unimported."""
     assert canaryd("init", str(tmp_path)).returncode == 0
     heavy = ["sqlalchemy", "httpx2", "httpcore2", "numpy", "structlog", "rich", "canaryd.store"]
-    for args in (["--help"], ["history", "--help"], ["-c", str(tmp_path / "canaryd.toml"), "validate"]):
+    config = ["canaryd.backends", "canaryd.canaries"]  # the kinds' models: what only validate needs
+    for args, unused in (
+        (["--help"], heavy + config),
+        (["--version"], heavy + config),
+        (["history", "--help"], heavy + config),
+        (["-c", str(tmp_path / "canaryd.toml"), "validate"], heavy),
+    ):
         code = (
             "import sys\nfrom canaryd.cli import main\n"
             "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
             # a module canaryd.lazy imports stays a _LazyModule until its first use
-            f"loaded = [m for m in {heavy!r} if type(sys.modules.get(m)).__name__ == 'module']\n"
+            f"loaded = [m for m in {unused!r} if type(sys.modules.get(m)).__name__ == 'module']\n"
             "print('LOADED', loaded)"
         )
         p = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60)
