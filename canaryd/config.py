@@ -238,8 +238,12 @@ def load_config(path: Path) -> Config:
 def _kinds(entries: object) -> frozenset[str]:
     """The registered kinds a config's ``[[backends]]`` name; every kind when one is missing or unknown, so
     that the error lists what is known."""
-    kinds = {e.get("kind") for e in entries if isinstance(e, dict)} if isinstance(entries, list) else set()
-    return frozenset(kinds) if kinds and kinds <= KINDS.keys() else frozenset(KINDS)
+    kinds = (
+        [e.get("kind") if isinstance(e, dict) else None for e in entries] if isinstance(entries, list) else []
+    )
+    if kinds and all(isinstance(k, str) and k in KINDS for k in kinds):
+        return frozenset(kinds)
+    return frozenset(KINDS)
 
 
 @cache
