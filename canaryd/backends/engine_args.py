@@ -26,7 +26,7 @@ import os
 import re
 from pathlib import Path
 
-from canaryd.backends.hostfacts import env_facts, is_secret_name
+from canaryd.backends.hostfacts import env_facts, is_secret_name, redact_url
 
 REDACTED = "<redacted>"
 # vLLM's short options (vllm/engine/arg_utils.py, 0.32) and the long names they stand for.
@@ -135,7 +135,7 @@ def engine_fields(args: dict[str, str]) -> dict[str, str]:
                 value = json.dumps(_scrub(json.loads(value)), sort_keys=True, separators=(",", ":"))
         for secret in secrets:  # a key echoed inside another value stays out too
             value = value.replace(secret, REDACTED)
-        out[f"engine.{name}"] = re.sub(r"//[^/@\s]+@", f"//{REDACTED}@", value)  # user:password@ in URLs
+        out[f"engine.{name}"] = redact_url(value)
     return out
 
 

@@ -242,14 +242,15 @@ def torch_facts() -> dict[str, str]:
     return {f"torch.{k}": "" if values.get(v) is None else str(values[v]) for v, k in names.items()}
 
 
-def _redact(value: str) -> str:
-    return re.sub(r"//[^/@\s]+@", "//<redacted>@", value)  # user:password@ in URLs
+def redact_url(value: str) -> str:
+    """``value`` with the credentials of any URL in it (``user:password@``) replaced."""
+    return re.sub(r"//[^/@\s]+@", "//<redacted>@", value)
 
 
 def env_facts(environ: dict[str, str] | None = None) -> dict[str, str]:
     environ = dict(os.environ if environ is None else environ)
     return {
-        f"env.{k}": _redact(v)
+        f"env.{k}": redact_url(v)
         for k, v in sorted(environ.items())
         if (k.startswith(_ENV_PREFIXES) or k in _ENV_NAMES)
         and not _ENV_IGNORED.match(k)

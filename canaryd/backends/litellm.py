@@ -17,10 +17,10 @@ logprobs asked for carries ``gateway.logprobs = dropped`` (judged on its text, a
 
 from __future__ import annotations
 
-import re
 from typing import Literal
 
 from canaryd.backends import openai_compat
+from canaryd.backends import openai_wire as wire
 from canaryd.backends.base import HttpSettings, log
 
 EXAMPLE = """\
@@ -67,7 +67,7 @@ def deployment_fields(model_info: dict, group: str) -> dict[str, str]:
             if params.get(key) not in (None, "", []):
                 value = params[key]
                 value = ",".join(sorted(map(str, value))) if isinstance(value, list) else str(value)
-                out[f"gateway.deployment.{dep}.{key}"] = re.sub(r"//[^/@\s]+@", "//<redacted>@", value)
+                out[f"gateway.deployment.{dep}.{key}"] = wire.redact_url(value)
         if info.get("litellm_provider"):
             out[f"gateway.deployment.{dep}.provider"] = str(info["litellm_provider"])
         drops = dropped_params(params, info.get("supported_openai_params"))

@@ -91,14 +91,19 @@ def kept_headers(headers: Mapping[str, str] | Iterable[tuple[str, str]]) -> dict
     return out
 
 
+def redact_url(value: str) -> str:
+    """``value`` with the credentials of any URL in it (``user:password@``) replaced. The same rule as
+    `hostfacts.redact_url`, which a stdlib-only script must keep to itself."""
+    return re.sub(r"//[^/@\s]+@", "//<redacted>@", value)
+
+
 def gateway_fields(headers: Mapping[str, str]) -> dict[str, str]:
     """``gateway.*`` stack fields from a gateway's response headers (none when no gateway answered)."""
     out = {}
     for header, name in GATEWAY_HEADERS.items():
         value = headers.get(header)
         if value:  # credentials in a URL (user:password@) never reach the stack
-            value = re.sub(r"//[^/@\s]+@", "//<redacted>@", value)
-            out[f"gateway.{name}"] = storable(value[:MAX_HEADER_VALUE])
+            out[f"gateway.{name}"] = storable(redact_url(value)[:MAX_HEADER_VALUE])
     return out
 
 
