@@ -233,19 +233,24 @@ def _build(out_dir: Path, marker: Path, digest: str, seed: int, train: Train, st
     marker.write_text(json.dumps(info, indent=2))
 
 
+MODES = ("int8", "int4", "noise")
+
+
 def perturb_weights(src: Path, dst: Path, *, mode: str, scale: float = 0.05, seed: int = 0) -> Path:
     """Copy a model directory to ``dst`` with degraded weights.
 
     ``int8``: symmetric per-row int8 quantise/dequantise of every 2-D weight,
-    like a careless quantised deployment.  ``noise``: add seeded gaussian noise
+    like a careless quantised deployment.  ``int4``: symmetric 4-bit round trip
+    in groups of 32 weights along each row (levels -7..7, one scale per group),
+    the shape of the GPTQ/AWQ-style 4-bit builds providers serve.  ``noise``: add seeded gaussian noise
     with std ``scale`` times each 2-D tensor's own std.  Tokenizer and config
     are copied unchanged; the build marker is not, so ``dst`` is never
     mistaken for a cached clean build.  A marker of its own (the source's
     weight files and the recipe) makes a repeat call free, and one process
     at a time writes ``dst``, so parallel test workers never read a half copy.
     """
-    if mode not in ("int8", "noise"):
-        raise ValueError(f"unknown perturbation mode {mode!r} (expected 'int8' or 'noise')")
+    if mode not in MODES:
+        raise ValueError(f"unknown perturbation mode {mode!r} (expected one of {', '.join(MODES)})")
     src, dst = Path(src), Path(dst)
     weights = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(src.glob("*.safetensors"))]
     recipe = json.dumps({"src": weights, "mode": mode, "scale": scale, "seed": seed})
@@ -255,6 +260,16 @@ def perturb_weights(src: Path, dst: Path, *, mode: str, scale: float = 0.05, see
             _perturb(src, dst, mode, scale, seed)
             (dst / PERTURBED).write_text(json.dumps({"digest": digest}))
     return dst
+
+
+def _round_trip_int4(x, group: int = 32):
+    """Quantise ``x`` (2-D) to 4 bits in groups of ``group`` along each row and back."""
+    import torch
+
+    rows, cols = x.shape
+    g = torch.nn.functional.pad(x, (0, (-cols) % group)).reshape(rows, -1, group)
+    step = g.abs().amax(dim=2, keepdim=True).clamp_min(1e-12) / 7
+    return ((g / step).round().clamp(-7, 7) * step).reshape(rows, -1)[:, :cols]
 
 
 def _perturb(src: Path, dst: Path, mode: str, scale: float, seed: int) -> None:
@@ -276,6 +291,8 @@ def _perturb(src: Path, dst: Path, mode: str, scale: float, seed: int) -> None:
             if mode == "int8":
                 step = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127
                 x = (x / step).round().clamp(-127, 127) * step
+            elif mode == "int4":
+                x = _round_trip_int4(x)
             else:
                 x = x + torch.randn(x.shape, generator=gen) * (scale * x.std())
             tensors[name] = x.to(w.dtype).contiguous()

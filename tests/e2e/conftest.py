@@ -25,3 +25,10 @@ def int8_model(tiny_model: Path) -> Path:
     from canaryd.lab.tinymodel import perturb_weights
 
     return perturb_weights(tiny_model, CACHE / "random-seed0-int8", mode="int8")
+
+
+@pytest.fixture(scope="session")
+def int4_model(tiny_model: Path) -> Path:
+    from canaryd.lab.tinymodel import perturb_weights
+
+    return perturb_weights(tiny_model, CACHE / "random-seed0-int4", mode="int4")
