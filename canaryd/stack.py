@@ -46,3 +46,41 @@ def merge_stacks(stacks: Iterable[dict[str, str]]) -> dict[str, str]:
         for k, v in stack.items():
             seen.setdefault(k, set()).add(v)
     return {k: ",".join(sorted(v)) for k, v in sorted(seen.items())}
+
+
+# The per-response stack fields that name the server configuration which answered, an explicit allow-list:
+# the engine's own fingerprint (vLLM: version and a hash of its whole config, so the dtype moves it),
+# which upstream provider a router picked (OpenRouter's body field and header), which deployment of a
+# cloud endpoint (Azure's session and region headers) or of a LiteLLM proxy (its model id and API base)
+# answered. Snapshot fields (taken once per pass) never name the configuration of one response, and
+# per-request values (ids, timings, rate limits) would make every response its own configuration.
+IDENTITY_FIELDS = (
+    "response.system_fingerprint",
+    "response.provider",
+    "header.x-openrouter-provider",
+    "header.azureml-model-session",
+    "header.x-ms-region",
+    "gateway.model_id",
+    "gateway.api_base",
+)
+_ABSENT = ("", "None", "null")  # how a missing fingerprint reaches a flat string map
+
+
+def identity_of(fields: dict[str, str], names: Iterable[str] = IDENTITY_FIELDS) -> dict[str, str]:
+    """The identity fields present in a stack (a value that stands for "absent" is absent)."""
+    return {k: fields[k] for k in names if fields.get(k, "") not in _ABSENT}
+
+
+def configuration_of(fields: dict[str, str], names: Iterable[str] = IDENTITY_FIELDS) -> str:
+    """The serving configuration that answered: 12 hex digits of a hash over the stack's identity fields,
+    or "" when the response names none (no fingerprint, or a constant one a kind already dropped): then
+    canaryd cannot tell configurations apart and keeps one baseline per canary × backend.
+
+    ``names`` is for the schema migration, which keeps the allow-list of its day."""
+    identity = identity_of(fields, names)
+    return hashlib.sha256(canonical(identity)).hexdigest()[:12] if identity else ""
+
+
+def configurations_of(stacks: Iterable[dict[str, str]]) -> list[str]:
+    """The distinct configurations of these stacks, sorted ("" included when one named none)."""
+    return sorted({configuration_of(s) for s in stacks})

@@ -30,6 +30,23 @@ maps a request's effort to its reasoning tokens (``{ low = 100, high = 400 }``).
 replaces it (``no_tool_call = true``: answers with text instead). ``ignore`` lists request parameters the
 server silently ignores (``max_tokens``: the answer is never cut; ``reasoning_effort``: the effort's
 reasoning tokens are not applied), in the settings or from a change on.
+
+``fleet`` makes one backend a load-balanced fleet: each request is answered by one member, picked at
+random (seeded by ``seed``, weighted by ``weight``) or in turn (``fleet_pick = "round-robin"``), and each
+member has its own fingerprint, per-response stack fields and logprob offset (another dtype), so its
+answers come from its own serving configuration. A change with ``member`` changes that member alone:
+
+    [[backends.fleet]]
+    name = "fp32"
+    fingerprint = "vllm-fp32"
+    [[backends.fleet]]
+    name = "bf16"
+    fingerprint = "vllm-bf16"
+    logprob_shift = -0.03
+    [[backends.changes]]
+    at = 12
+    member = "bf16"                            # only the bf16 server's weights moved
+    logprob_shift = -0.2
 """
 
 from __future__ import annotations
@@ -42,7 +59,7 @@ import time
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from canaryd.backends import openai_wire as wire
 from canaryd.backends import refusals
@@ -84,10 +101,22 @@ class Change(Strict):
     tool_call: ScriptedCall | None = None  # the tool call answered, replaced
     no_tool_call: bool = False  # a canary offering tools gets text, no call
     ignore: tuple[Ignorable, ...] = ()  # request parameters silently ignored from now on
+    member: str | None = None  # only answers from this fleet member change
 
     def applies(self, cycle: int, canary_id: str | None = None) -> bool:
         in_time = self.at <= cycle and (self.until is None or cycle < self.until)
         return in_time and (canary_id is None or self.canaries is None or canary_id in self.canaries)
+
+
+class Member(Strict):
+    """One server of a load-balanced fleet: its own serving configuration."""
+
+    name: str
+    fingerprint: str | None = None  # None: the backend's
+    stack: dict[str, str] = Field(default_factory=dict)  # per-response fields (``response.provider`` ...)
+    logprob_shift: float = 0.0  # another dtype's numerics
+    noise: Annotated[float, Field(ge=0)] | None = None  # None: the backend's
+    weight: Annotated[float, Field(gt=0)] = 1.0
 
 
 class Settings(BackendSettings):
@@ -108,6 +137,21 @@ class Settings(BackendSettings):
     tool_calls: dict[str, ScriptedCall] = Field(default_factory=dict)
     ignore: tuple[Ignorable, ...] = ()
     changes: tuple[Change, ...] = ()
+    fleet: tuple[Member, ...] = ()
+    fleet_pick: Literal["random", "round-robin"] = "random"
+
+    @model_validator(mode="after")
+    def _members_named(self) -> Settings:
+        names = [m.name for m in self.fleet]
+        if len(set(names)) != len(names):
+            raise ValueError("fleet: member names must be distinct")
+        for c in self.changes:
+            if c.member is not None and c.member not in names:
+                raise ValueError(
+                    f"changes: member {c.member!r} is not in fleet ({', '.join(names) or 'none'})"
+                )
+        return self
+
     # Where the cycle count persists, so that separate `canaryd check` processes count on (default: the
     # count lives in the process, from 0).
     cycle_file: Path | None = None
@@ -168,12 +212,15 @@ class Prober:
     def attempt(self, canary: Canary) -> Observation:
         body = self.request(canary)
         obs = Observation(self.name, canary.id, canary.suite, utcnow(), body, wire.request_hash(body))
-        active = self._active(canary.id)
         with self._lock:
             key = (self.cycle, f"{canary.id}\x1f{wire.request_hash(body)}")
             n = self._attempts[key] = self._attempts.get(key, 0) + 1
             self._draws += 1
             draw = self._draws
+        member = self._member(draw)
+        active = [
+            c for c in self._active(canary.id) if c.member is None or (member and c.member == member.name)
+        ]
         time.sleep(self.cfg.latency_s)
         obs.latency_s = self.cfg.latency_s
         for change in active:
@@ -189,8 +236,9 @@ class Prober:
         calls = self._calls(canary, active)
         text = wire.with_calls(None, calls) if calls else self._answer(canary, active, draw)
         obs.tool_calls = calls
-        shift = sum(c.logprob_shift for c in active)
-        noise = next((c.noise for c in reversed(active) if c.noise is not None), self.cfg.noise)
+        shift = sum(c.logprob_shift for c in active) + (member.logprob_shift if member else 0.0)
+        own = member.noise if member and member.noise is not None else self.cfg.noise
+        noise = next((c.noise for c in reversed(active) if c.noise is not None), own)
         rng = random.Random(f"{self.cfg.seed}:{canary.id}:{draw}")
         d = canary.decoding
         chars = list(text) if "max_tokens" in ignored else list(text)[: d.max_tokens]
@@ -204,15 +252,27 @@ class Prober:
         effort = None if "reasoning_effort" in ignored else d.reasoning_effort
         obs.reasoning_tokens = self._reasoning(canary.id, active, rng, effort)
         obs.completion_tokens = len(chars) + (obs.reasoning_tokens or 0)
-        fingerprint = next((c.fingerprint for c in reversed(active) if c.fingerprint), self.cfg.fingerprint)
+        own_fp = member.fingerprint if member and member.fingerprint is not None else self.cfg.fingerprint
+        fingerprint = next((c.fingerprint for c in reversed(active) if c.fingerprint), own_fp)
         obs.system_fingerprint, obs.response_model = fingerprint, self.cfg.model
         obs.stack = {"response.model": self.cfg.model, "response.system_fingerprint": fingerprint}
+        obs.stack.update(member.stack if member else {})
         logprobs = next((c.logprobs for c in reversed(active) if c.logprobs is not None), self.cfg.logprobs)
         if not logprobs:
             obs.tokens, obs.has_logprobs = [], False
             if self.cfg.require_logprobs:
                 obs.error_kind, obs.error = ErrorKind.NO_LOGPROBS, "response carries no logprobs"
         return obs
+
+    def _member(self, draw: int) -> Member | None:
+        """The fleet member that answers the ``draw``-th request (None: no fleet)."""
+        fleet = self.cfg.fleet
+        if not fleet:
+            return None
+        if self.cfg.fleet_pick == "round-robin":
+            return fleet[(draw - 1) % len(fleet)]
+        rng = random.Random(f"{self.cfg.seed}:fleet:{draw}")
+        return rng.choices(fleet, weights=[m.weight for m in fleet])[0]
 
     def _calls(self, canary: Canary, active: list[Change]) -> tuple[ToolCall, ...] | None:
         if canary.tools is None or any(c.no_tool_call for c in active):

@@ -30,7 +30,7 @@ def accept(
     with store_of(cfg) as store:
         accepted = store.accept_latest(backend, canary)
         # a noise model measured on the old stack would call the new one "out" forever
-        dropped = store.drop_calibrations([(a.backend, a.canary_id) for a in accepted])
+        dropped = store.drop_calibrations([(a.backend, a.canary_id, a.configuration) for a in accepted])
     show_accepted(accepted, dropped, as_json)
     if not accepted:
         raise InputError("baseline accept: no successful observation matches; run `canaryd probe` first")

@@ -34,6 +34,7 @@ __all__ = [
     "basis_of",
     "compare",
     "decide",
+    "new_configuration",
     "text_delta",
     "token_delta",
 ]
@@ -328,6 +329,30 @@ def compare(
         evidence=evidence,
         basis=basis,
         latency=None if latency_ev is None else replace(latency_ev, basis=basis),
+    )
+
+
+def new_configuration(configuration: str, other: str, against: Comparison) -> Comparison:
+    """The first answer of ``configuration``, a serving configuration new to this canary × backend, which
+    has baselines under others: not drift but a ``new-configuration`` (it becomes its configuration's
+    baseline). ``against`` is the answer compared, uncalibrated, with the baseline of configuration
+    ``other`` (the most recent one), so its reasons say whether the newcomer behaves differently. It has no
+    evidence: a comparison across configurations must not feed the backend's detector."""
+    name = configuration or "(none: the answer names no configuration)"
+    how = f"against configuration {other} it would be {against.verdict.value}"
+    if against.verdict is not Verdict.IDENTICAL and against.reasons:
+        how += f": {against.reasons[0]}"
+    return Comparison(
+        Verdict.NEW_CONFIG,
+        against.correct,
+        baseline_correct=against.baseline_correct,
+        text_identical=against.text_identical,
+        delta=against.delta,
+        prompt_tokens_changed=against.prompt_tokens_changed,
+        fingerprint_changed=against.fingerprint_changed,
+        stack_changes=against.stack_changes,
+        reasons=(f"new serving configuration {name}: its first answer becomes its baseline", how),
+        basis=against.basis,
     )
 
 

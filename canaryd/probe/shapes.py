@@ -25,13 +25,14 @@ from typing import TYPE_CHECKING
 
 from canaryd.canaries import Canary, CheckTimeout, Expect
 from canaryd.conform import SIDES
-from canaryd.judge.compare import Comparison, Verdict, basis_of, compare
+from canaryd.judge.compare import Comparison, Verdict, basis_of, compare, new_configuration
 from canaryd.judge.conformance import judge_pair, tool_call_verdict
 from canaryd.judge.sampled import compare_samples
 from canaryd.judge.stats import CalibrationError, NoiseModel
 from canaryd.observation import ErrorKind, Observation
 from canaryd.probe import vet
 from canaryd.probe.chain import mark_divergence, run_chain
+from canaryd.stack import configuration_of
 
 if TYPE_CHECKING:
     from canaryd.backends import Backend
@@ -78,8 +79,11 @@ def _compare(store: Judging, settings: CompareConfig, obs: Observation, expect: 
     except CheckTimeout as e:
         correct = None
         _timed_out(obs, e)
-    base = store.baseline(obs.backend, obs.canary_id)
-    doc = store.calibration(obs.backend, obs.canary_id)
+    configuration = configuration_of(obs.stack)  # each serving configuration has its own baseline
+    base = store.baseline(obs.backend, obs.canary_id, configuration)
+    if base is None and obs.ok and (others := store.baselines(obs.backend, obs.canary_id)):
+        return _first_of_configuration(settings, obs, correct, configuration, others)
+    doc = store.calibration(obs.backend, obs.canary_id, configuration)
     try:
         noise, refused = (NoiseModel.from_dict(doc) if doc else None), None
     except (CalibrationError, KeyError, TypeError, ValueError) as e:  # written by an older version
@@ -97,6 +101,22 @@ def _compare(store: Judging, settings: CompareConfig, obs: Observation, expect: 
     if why is not None and obs.ok:
         comparison = replace(comparison, reasons=(why, *comparison.reasons))
     return Judged(obs, comparison, base.observation_id if base else None)
+
+
+def _first_of_configuration(
+    settings: CompareConfig, obs: Observation, correct: bool | None, configuration: str, others: dict
+) -> Judged:
+    """A configuration new to a canary that has baselines under others: compared, uncalibrated, with the
+    most recent of them, to say how it behaves; it becomes its own configuration's baseline."""
+    other, base = max(others.items(), key=lambda kv: kv[1].observation_id)
+    against = compare(
+        base.observation,
+        obs,
+        correct=correct,
+        baseline_correct=base.correct,
+        logprob_tolerance=settings.logprob_tolerance,
+    )
+    return Judged(obs, new_configuration(configuration, other, against), base.observation_id)
 
 
 class Plain:
@@ -187,7 +207,9 @@ class Sampled(Plain):
         first cycle has its own request hash, so the store may keep a later sample than the first as the
         baseline observation: the set, and sample 0 in it, are the same either way.
         """
-        base = store.baseline(observations[0].backend, canary.id)
+        first = observations[0]  # the set is judged as today against its first draw's configuration
+        base = store.baseline(first.backend, canary.id, configuration_of(first.stack))
+        base = base or store.baseline(first.backend, canary.id)  # or the latest: draws may span several
         baseline_id = base.observation_id if base else None
         try:
             correct = [_correct(canary.expect, obs) for obs in observations]

@@ -46,12 +46,16 @@ def generation(conn: Connection) -> Generation:
     return tuple(conn.exec_driver_sql(_GENERATION.format(t=t, c=c)).one())
 
 
+Key = tuple[str, str]  # (canary id, serving configuration)
+
+
 @dataclass
 class Loaded:
-    """One backend's baselines (observation, id, correctness) and calibrations, as of one generation."""
+    """One backend's baselines (observation, id, correctness) and calibrations, as of one generation, by
+    canary and serving configuration."""
 
-    baselines: dict[str, Baseline]
-    calibrations: dict[str, dict]
+    baselines: dict[Key, Baseline]
+    calibrations: dict[Key, dict]
     run_sets: dict[int, list[Observation]] = field(default_factory=dict)  # baseline sets, read on demand
 
 
@@ -118,17 +122,39 @@ class Judging:
         self._store = store
         self._loaded = loaded
 
-    def baseline(self, backend: str, canary_id: str) -> Baseline | None:
-        return self._loaded.baselines.get(canary_id)
+    def baseline(self, backend: str, canary_id: str, configuration: str | None = None) -> Baseline | None:
+        """The configuration's baseline (None: the latest of any configuration)."""
+        if configuration is None:
+            return latest(self.baselines(backend, canary_id))
+        return self._loaded.baselines.get((canary_id, configuration))
 
-    def calibration(self, backend: str, canary_id: str) -> dict | None:
-        return self._loaded.calibrations.get(canary_id)
+    def baselines(self, backend: str, canary_id: str) -> dict[str, Baseline]:
+        """The canary's baseline under each configuration it has one for."""
+        return {k: b for (c, k), b in self._loaded.baselines.items() if c == canary_id}
+
+    def calibration(self, backend: str, canary_id: str, configuration: str | None = None) -> dict | None:
+        """The configuration's noise model (None: that of the latest baseline's configuration)."""
+        if configuration is None:
+            configuration = latest_configuration(self.baselines(backend, canary_id))
+        return self._loaded.calibrations.get((canary_id, configuration or ""))
 
     def run_set(self, observation_id: int) -> list[Observation]:
         sets = self._loaded.run_sets
         if observation_id not in sets:
             sets[observation_id] = self._store.run_set(observation_id)
         return sets[observation_id]
+
+
+def latest(baselines: dict[str, Baseline]) -> Baseline | None:
+    """The most recent of several configurations' baselines (the highest observation id)."""
+    return max(baselines.values(), key=lambda b: b.observation_id, default=None)
+
+
+def latest_configuration(baselines: dict[str, Baseline]) -> str | None:
+    """The configuration of the most recent of these baselines (None: there is none)."""
+    if not baselines:
+        return None
+    return max(baselines.items(), key=lambda kv: kv[1].observation_id)[0]
 
 
 def load(s: Session, backend: str) -> tuple[Loaded, set[str]]:
@@ -139,12 +165,12 @@ def load(s: Session, backend: str) -> tuple[Loaded, set[str]]:
 
     b, o, c = (t.__table__.c for t in (BaselineRow, ObservationRow, CalibrationRow))  # type: ignore[attr-defined]
     conn = s.connection()  # Core statements: a new store compiles each once, and the ORM's cost more
-    ids = select(b.observation_id).where(b.backend == backend)
-    rows = conn.execute(select(ObservationRow.__table__).where(o.id.in_(ids))).all()  # type: ignore[arg-type]
+    keys = dict(conn.execute(select(b.observation_id, b.configuration).where(b.backend == backend)).all())
+    rows = conn.execute(select(ObservationRow.__table__).where(o.id.in_(list(keys)))).all()  # type: ignore[arg-type]
     baselines, known = {}, set()
     for row, obs in zip(rows, _observations(s, rows), strict=True):
-        baselines[row.canary_id] = Baseline(row.id, obs, row.correct)  # type: ignore[arg-type]
+        baselines[(row.canary_id, keys[row.id])] = Baseline(row.id, obs, row.correct)  # type: ignore[arg-type]
         known.update(h for h in (row.stack_hash, row.payload_hash, request_ref(row.request)) if h)
-    q = select(c.canary_id, c.model).where(c.backend == backend)
-    calibrations = {cid: model for cid, model in conn.execute(q)}
+    q = select(c.canary_id, c.configuration, c.model).where(c.backend == backend)
+    calibrations = {(cid, k): model for cid, k, model in conn.execute(q)}
     return Loaded(baselines, calibrations), known

@@ -17,7 +17,7 @@ from sqlalchemy import select as select_core
 from sqlmodel import Session, col, select
 
 from canaryd.observation import ErrorKind, Observation
-from canaryd.store.cache import Judging, generation, load
+from canaryd.store.cache import Judging, generation, latest, latest_configuration, load
 from canaryd.store.engine import Connected
 from canaryd.store.records import Baseline, RunInfo, RunStacks, StackSeen, StoredObservation
 from canaryd.store.schema import (
@@ -95,14 +95,30 @@ class Queries(Connected):
     """The store's reads (a mixin of `canaryd.store.Store`)."""
 
     # -- what a new observation is judged against -----------------------------------------------------
-    def baseline(self, backend: str, canary_id: str) -> Baseline | None:
-        """The baseline observation (with its id and correctness) for a canary × backend, if any."""
+    def baseline(self, backend: str, canary_id: str, configuration: str | None = None) -> Baseline | None:
+        """The baseline observation (with its id and correctness) of a canary × backend under a serving
+        configuration (None: the latest of any configuration), if any."""
+        if configuration is None:
+            return latest(self.baselines(backend, canary_id))
         with self._session() as s:
-            b = s.get(BaselineRow, (backend, canary_id))
+            b = s.get(BaselineRow, (backend, canary_id, configuration))
             if b is None:
                 return None
             row = s.get(ObservationRow, b.observation_id)
             return Baseline(row.id, _to_observation(s, row), row.correct) if row else None  # type: ignore[arg-type]
+
+    def baselines(self, backend: str, canary_id: str) -> dict[str, Baseline]:
+        """The canary's baseline under each serving configuration it has one for."""
+        with self._session() as s:
+            q = select(BaselineRow.configuration, BaselineRow.observation_id).where(
+                BaselineRow.backend == backend, BaselineRow.canary_id == canary_id
+            )
+            out = {}
+            for configuration, oid in s.exec(q):
+                row = s.get(ObservationRow, oid)
+                if row is not None:
+                    out[configuration] = Baseline(row.id, _to_observation(s, row), row.correct)  # type: ignore[arg-type]
+            return out
 
     def judging(self, backend: str) -> Judging:
         """What a probe pass of ``backend`` judges against (`canaryd.store.cache`): its baselines and
@@ -130,10 +146,13 @@ class Queries(Connected):
             )
             return _observations(s, list(s.exec(q.order_by(text("id")))))
 
-    def calibration(self, backend: str, canary_id: str) -> dict | None:
-        """The stored noise model of a canary × backend (``NoiseModel.as_dict()``), None if uncalibrated."""
+    def calibration(self, backend: str, canary_id: str, configuration: str | None = None) -> dict | None:
+        """The stored noise model of a canary × backend × configuration (``NoiseModel.as_dict()``; None:
+        that of the latest baseline's configuration), None if uncalibrated."""
+        if configuration is None:
+            configuration = latest_configuration(self.baselines(backend, canary_id)) or ""
         with self._session() as s:
-            row = s.get(CalibrationRow, (backend, canary_id))
+            row = s.get(CalibrationRow, (backend, canary_id, configuration))
             return row.model if row else None
 
     # -- observations ---------------------------------------------------------------------------------

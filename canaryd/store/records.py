@@ -12,7 +12,7 @@ one way (the judge may know the store's records; the store knows nothing of the 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from datetime import datetime
 from typing import Protocol, TypedDict
 
@@ -126,6 +126,7 @@ class Accepted:
     backend: str
     canary_id: str
     observation_id: int
+    configuration: str = field(default="", compare=False)  # the serving configuration it is the baseline of
 
 
 # -- what the store takes from the judge --------------------------------------------------------------

@@ -18,9 +18,9 @@ Layout, chosen so that storage grows with change rather than with time:
   outcome. This is all an unchanged probe costs (about 100 bytes; see ``bench/storage_bench.py``).
 * ``observation``: a view over event ⋈ outcome ⋈ request ⋈ run, with the columns one observation always had
   (and the probing instance); reads go here.
-* ``baseline``: the observation each canary × backend is compared against.
+* ``baseline``: the observation each canary × backend × serving configuration is compared against.
 * ``keep``: observations a pin, preflight or record refers to; ``prune`` never deletes them.
-* ``calibration``: the noise model ``baseline calibrate`` learned per backend × canary.
+* ``calibration``: the noise model ``baseline calibrate`` learned per backend × canary × configuration.
 * ``detector``: each backend's e-CUSUM statistic and alarm, carried across cycles and restarts.
 * ``lease``: which daemon of a PostgreSQL fleet runs each backend's schedules, until when (``leases``).
 """
@@ -156,6 +156,8 @@ class BaselineRow(SQLModel, table=True):
     __tablename__ = "baseline"
     backend: str = Field(primary_key=True)
     canary_id: str = Field(primary_key=True)
+    # `canaryd.stack.configuration_of` the baseline's stack ("" when it names none)
+    configuration: str = Field(default="", primary_key=True, sa_column_kwargs={"server_default": ""})
     observation_id: int = Field(foreign_key="event.id")
     accepted_at: datetime
     note: str = ""
@@ -176,6 +178,7 @@ class CalibrationRow(SQLModel, table=True):
     __tablename__ = "calibration"
     backend: str = Field(primary_key=True)
     canary_id: str = Field(primary_key=True)
+    configuration: str = Field(default="", primary_key=True, sa_column_kwargs={"server_default": ""})
     request_hash: str  # the request it was learned for; another request ignores it
     created_at: datetime
     k: int

@@ -4,8 +4,9 @@ Every write is one transaction, and all of them are safe with other writers on t
 daemons (distinct instance names) may write one PostgreSQL database at once, and the daemon and the CLI
 share a SQLite file. Content-addressed rows (stack, payload, request, outcome) are inserted with ON
 CONFLICT DO NOTHING, so identical content from two writers is one row and never an error. Baselines are
-shared: one per backend × canary for the whole fleet, whichever instance observed it (the first to commit
-a first observation wins; ``baseline accept`` takes the latest of any).
+shared: one per backend × canary × serving configuration (`canaryd.stack.configuration_of`) for the whole
+fleet, whichever instance observed it (the first to commit a first observation wins; ``baseline accept``
+takes the latest of any).
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from sqlalchemy.orm import aliased
 from sqlmodel import Session, SQLModel, col, select
 
 from canaryd.observation import Observation, utcnow
+from canaryd.stack import configuration_of
 from canaryd.stack import stack_hash as hash_of
+from canaryd.store.cache import latest_configuration
 from canaryd.store.engine import Connected
 from canaryd.store.records import Accepted, ComparisonLike, DetectorDoc, NoiseModelLike, detector_start
 from canaryd.store.schema import (
@@ -44,6 +47,9 @@ from canaryd.store.schema import (
 )
 
 T = TypeVar("T")
+# Verdicts whose observation becomes its configuration's baseline: the first one, and the first of a
+# configuration new to a canary that has baselines under others.
+FIRST_OF_CONFIGURATION = ("baseline", "new-configuration")
 
 
 Written = tuple[Observation, ComparisonLike, "int | None"]  # what `Writes.record` takes per observation
@@ -269,7 +275,7 @@ class Writes(Connected):
             "headers": obs.headers,
         }
         event_id = s.connection().execute(_EVENT, event).inserted_primary_key[0]
-        if verdict == "baseline":
+        if verdict in FIRST_OF_CONFIGURATION:
             self._first_baseline(s, obs, event_id, baseline_id)
         return event_id
 
@@ -289,7 +295,8 @@ class Writes(Connected):
         fleet can judge so at the same moment: the first to commit wins (the baseline is the *first*
         observation), the other's observation stays an ordinary one.
         """
-        key = {"backend": obs.backend, "canary_id": obs.canary_id}
+        configuration = configuration_of(obs.stack)
+        key = {"backend": obs.backend, "canary_id": obs.canary_id, "configuration": configuration}
         if _insert_ignore(
             s,
             BaselineRow,
@@ -301,7 +308,11 @@ class Writes(Connected):
             return
         current = s.exec(
             select(BaselineRow.observation_id)
-            .where(BaselineRow.backend == obs.backend, BaselineRow.canary_id == obs.canary_id)
+            .where(
+                BaselineRow.backend == obs.backend,
+                BaselineRow.canary_id == obs.canary_id,
+                BaselineRow.configuration == configuration,
+            )
             .with_for_update()  # PostgreSQL: serialise replacers (SQLite: this transaction holds the lock)
         ).one()
         request_hash = s.exec(
@@ -312,21 +323,27 @@ class Writes(Connected):
         # a baseline for an older request, or the very one the judge refused (not one a concurrent writer
         # just put in its place): replace it
         if request_hash != obs.request_hash or (judged_against is not None and current == judged_against):
-            Writes._set_baseline(s, obs.backend, obs.canary_id, observation_id, "first observation")
+            Writes._set_baseline(
+                s, obs.backend, obs.canary_id, configuration, observation_id, "first observation"
+            )
 
     @staticmethod
-    def _set_baseline(s: Session, backend: str, canary_id: str, observation_id: int, note: str) -> None:
-        """Upsert: the baseline of backend × canary is now this observation (the last writer wins)."""
+    def _set_baseline(
+        s: Session, backend: str, canary_id: str, configuration: str, observation_id: int, note: str
+    ) -> None:
+        """Upsert: the baseline of backend × canary × configuration is now this observation (the last
+        writer wins)."""
         stmt = _insert(s, BaselineRow).values(
             backend=backend,
             canary_id=canary_id,
+            configuration=configuration,
             observation_id=observation_id,
             accepted_at=utcnow(),
             note=note,
         )
         s.connection().execute(
             stmt.on_conflict_do_update(
-                index_elements=["backend", "canary_id"],
+                index_elements=["backend", "canary_id", "configuration"],
                 set_={
                     "observation_id": stmt.excluded.observation_id,
                     "accepted_at": stmt.excluded.accepted_at,
@@ -336,14 +353,17 @@ class Writes(Connected):
         )
 
     def accept_latest(self, backend: str | None = None, canary_id: str | None = None) -> list[Accepted]:
-        """Make the latest successful observation of each canary × backend its baseline.
+        """Make the latest successful observation of each canary × backend × serving configuration the
+        baseline of that configuration.
 
         Across the whole database: in a fleet, the latest observation of any instance. A chained
         canary's id selects every one of its steps (``id:step``).
         """
         accepted = []
         with self._session() as s:
-            q = select(ObservationRow.backend, ObservationRow.canary_id, ObservationRow.id).where(
+            q = select(
+                ObservationRow.backend, ObservationRow.canary_id, ObservationRow.id, ObservationRow.stack_hash
+            ).where(
                 ObservationRow.error.is_(None)  # type: ignore[union-attr]
             )
             if backend:
@@ -353,12 +373,16 @@ class Writes(Connected):
                     (ObservationRow.canary_id == canary_id)
                     | ObservationRow.canary_id.startswith(f"{canary_id}:", autoescape=True)  # type: ignore[attr-defined]
                 )
-            latest: dict[tuple[str, str], int] = {}
-            for b, c, oid in s.exec(q.order_by(ObservationRow.id)):  # type: ignore[arg-type]
-                latest[(b, c)] = oid
-            for (b, c), oid in sorted(latest.items()):
-                self._set_baseline(s, b, c, oid, "accepted")
-                accepted.append(Accepted(b, c, oid))
+            latest: dict[tuple[str, str, str], int] = {}
+            configurations: dict[str | None, str] = {None: ""}
+            for b, c, oid, h in s.exec(q.order_by(ObservationRow.id)):  # type: ignore[arg-type]
+                if h not in configurations:
+                    stack = s.get(StackRow, h)
+                    configurations[h] = configuration_of(stack.fields if stack else {})
+                latest[(b, c, configurations[h])] = oid
+            for (b, c, k), oid in sorted(latest.items()):
+                self._set_baseline(s, b, c, k, oid, "accepted")
+                accepted.append(Accepted(b, c, oid, k))
             s.commit()
         return accepted
 
@@ -370,12 +394,17 @@ class Writes(Connected):
             s.commit()
 
     # -- calibrations and the detector ----------------------------------------------------------------
-    def save_calibration(self, backend: str, canary_id: str, model: NoiseModelLike) -> None:
-        """Replace the canary's noise model and restart the backend's detector (its evidence was
-        gathered against the old model)."""
+    def save_calibration(
+        self, backend: str, canary_id: str, model: NoiseModelLike, configuration: str | None = None
+    ) -> None:
+        """Replace the noise model of the canary under a serving configuration (None: its latest baseline's)
+        and restart the backend's detector (its evidence was gathered against the old model)."""
+        if configuration is None:
+            configuration = latest_configuration(self.baselines(backend, canary_id)) or ""  # type: ignore[attr-defined]
         with self._session() as s:
-            row = s.get(CalibrationRow, (backend, canary_id)) or CalibrationRow(
-                backend=backend, canary_id=canary_id
+            key = (backend, canary_id, configuration)
+            row = s.get(CalibrationRow, key) or CalibrationRow(
+                backend=backend, canary_id=canary_id, configuration=configuration
             )
             row.request_hash, row.created_at, row.k = model.request_hash, utcnow(), model.k
             row.regime, row.summary, row.model = str(model.regime.value), model.summary(), model.as_dict()
@@ -383,16 +412,20 @@ class Writes(Connected):
             self._reset_detector(s, backend)
             s.commit()
 
-    def drop_calibrations(self, pairs: Sequence[tuple[str, str]]) -> int:
-        """Forget the noise models of these backend × canary pairs (an accepted baseline outdates them)."""
+    def drop_calibrations(self, keys: Sequence[tuple[str, ...]]) -> int:
+        """Forget noise models (an accepted baseline outdates them): each key is (backend, canary id,
+        configuration), or (backend, canary id) for every configuration of the canary."""
         with self._session() as s:
             dropped = set()
-            for backend, canary_id in pairs:
-                row = s.get(CalibrationRow, (backend, canary_id))
-                if row is not None:
+            for backend, canary_id, *configuration in keys:
+                c = CalibrationRow
+                q = select(c).where(c.backend == backend, c.canary_id == canary_id)
+                if configuration:
+                    q = q.where(c.configuration == configuration[0])
+                for row in s.exec(q):
                     s.delete(row)
-                    dropped.add((backend, canary_id))
-            for backend in {b for b, _ in dropped}:  # an alarm raised by canaries still calibrated stands
+                    dropped.add((backend, canary_id, row.configuration))
+            for backend in {b for b, _, _ in dropped}:  # an alarm raised by canaries still calibrated stands
                 self._reset_detector(s, backend)
             s.commit()
             return len(dropped)

@@ -81,20 +81,10 @@ def test_check_exits_0_while_unchanged_and_1_once_logprobs_shift_at_cycle_3(make
         assert r["stack_changes"] == []
 
 
-@pytest.mark.parametrize(
-    ("settings", "moved", "expected"),
-    [
-        (
-            {"stack": {"engine.dtype": "float32"}},
-            {"stack": {"engine.dtype": "bfloat16", "engine.kv_cache_dtype": "fp8"}},
-            [("engine.dtype", "float32", "bfloat16"), ("engine.kv_cache_dtype", None, "fp8")],
-        ),
-        ({}, {"fingerprint": "fp_other"}, [("response.system_fingerprint", "fp_scripted", "fp_other")]),
-    ],
-    ids=["stack-fields", "fingerprint"],
-)
-def test_a_stack_change_alone_is_a_stack_change_naming_the_fields(make, settings, moved, expected):
-    lab = make(scripted(**settings, body=change(at=2, **moved)))
+def test_a_stack_change_alone_is_a_stack_change_naming_the_fields(make):
+    moved = {"stack": {"engine.dtype": "bfloat16", "engine.kv_cache_dtype": "fp8"}}
+    lab = make(scripted(stack={"engine.dtype": "float32"}, body=change(at=2, **moved)))
+    expected = [("engine.dtype", "float32", "bfloat16"), ("engine.kv_cache_dtype", None, "fp8")]
     first = lab.cycle()
     second = lab.cycle()
     assert verdicts(second) == dict.fromkeys(IDS, "stack-change")
@@ -102,11 +92,27 @@ def test_a_stack_change_alone_is_a_stack_change_naming_the_fields(make, settings
         c = r.comparison
         assert [(f.field, f.before, f.after) for f in c.stack_changes] == expected
         assert c.text_identical and c.delta.max_abs_dlogprob == 0  # nothing the model said moved
-        n = len(expected)
-        assert c.reasons == (f"stack changed ({n} field{'s' if n > 1 else ''})",)
-        assert c.fingerprint_changed is ("fingerprint" in moved)
+        assert c.reasons == ("stack changed (2 fields)",) and not c.fingerprint_changed
     assert second.stack_hash != first.stack_hash
     assert verdicts(lab.cycle()) == dict.fromkeys(IDS, "stack-change")  # still unlike the baseline
+
+
+def test_a_fingerprint_swap_alone_is_a_new_configuration_once_then_its_own_baseline(make):
+    """A fingerprint names a serving configuration: a new one is reported (not drift) and becomes its
+    baseline; the fields that differ from the other configuration are still named."""
+    lab = make(scripted(body=change(at=2, fingerprint="fp_other")))
+    lab.cycle()
+    second = lab.cycle()
+    assert verdicts(second) == dict.fromkeys(IDS, "new-configuration")
+    assert not any(r.comparison.verdict.is_drift for r in second.results)
+    for r in second.results:
+        c = r.comparison
+        assert [(f.field, f.before, f.after) for f in c.stack_changes] == [
+            ("response.system_fingerprint", "fp_scripted", "fp_other")
+        ]
+        assert c.fingerprint_changed and c.reasons[0].startswith("new serving configuration ")
+        assert c.reasons[1].startswith("against configuration ") and "would be stack-change" in c.reasons[1]
+    assert verdicts(lab.cycle()) == dict.fromkeys(IDS, "identical")  # judged against its own baseline
 
 
 def test_a_hidden_prompt_shows_as_a_stack_change_with_the_prompt_token_reason(make):

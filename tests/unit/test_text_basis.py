@@ -92,7 +92,7 @@ def test_a_changed_answer_on_text_is_answer_drift_from_the_first_differing_chara
     assert moved.reasons[0] == "text differ from character 2" and moved.basis == "text"
 
 
-def test_prompt_token_growth_and_a_rotated_fingerprint_are_stack_changes_on_text(make):
+def test_prompt_token_growth_is_a_stack_change_and_a_rotated_fingerprint_a_new_configuration(make):
     body = change(at=2, canaries=["add"], prompt_tokens_delta=12) + change(
         at=2, canaries=["capital"], fingerprint="fp_rotated"
     )
@@ -104,9 +104,10 @@ def test_prompt_token_growth_and_a_rotated_fingerprint_are_stack_changes_on_text
     assert any(
         r.startswith("prompt tokens ") and r.endswith(f" -> {int(r.split()[2]) + 12}") for r in grown.reasons
     )
-    rotated = run["capital"].comparison
-    assert rotated.verdict is Verdict.STACK_CHANGE and rotated.fingerprint_changed and rotated.basis == "text"
+    rotated = run["capital"].comparison  # another serving configuration: its first answer, on text
+    assert rotated.verdict is Verdict.NEW_CONFIG and rotated.fingerprint_changed and rotated.basis == "text"
     assert {ch.field for ch in rotated.stack_changes} == {"response.system_fingerprint"}
+    assert not rotated.verdict.is_drift and "would be stack-change" in rotated.reasons[1]
     assert run["colors"].comparison.verdict is Verdict.IDENTICAL
 
 
