@@ -5,9 +5,9 @@ whether it counts as drift (``is_drift``: what ``check`` exits 1 on, what the dr
 "drifting" panels count), the colour ``canaryd check``/``history`` print it in (a rich style), the colour
 the Grafana dashboard shows it in (a Grafana named colour), and its meaning in one line. The row's position
 is its severity ``rank`` (0 = most severe): ``compare()`` gives an observation the most severe verdict that
-applies, and the dashboard shows the most severe one when several canaryd instances disagree. ``new-configuration`` ranks below the drift
-verdicts (it is no evidence of change: a fleet grew, or a router found another provider) and above the
-quiet ones, since a configuration nobody had seen is worth a look.
+applies, and the dashboard shows the most severe one when several canaryd instances disagree.
+``new-configuration`` ranks below the drift verdicts (it is no evidence of change: a fleet grew, or a
+router found another provider) and above the quiet ones: a configuration nobody had seen is worth a look.
 
 Everything else reads this table: ``compare.py`` and ``sampled.py`` (the rules), ``report/tables.py``
 (colours), ``grafana/build_dashboard.py`` (codes, colours, the drift set), the metrics (one series per
