@@ -62,6 +62,13 @@ app = typer.Typer(
     rich_markup_mode=None,
     cls=WholeHelpGroup,
 )
+MaxConfigurations = Annotated[
+    int | None,
+    typer.Option(
+        metavar="N",
+        help="Also fail (exit 1) when a backend was served by more than N serving configurations.",
+    ),
+]
 # Commands whose work never logs: they set up logging (and import structlog) only if something does.
 _QUIET = ("validate", "init")
 
@@ -106,6 +113,7 @@ def check(
         Path | None,
         typer.Option(help="Also fail (exit 1) when a field pinned in this file moved or is gone."),
     ] = None,
+    max_configurations: MaxConfigurations = None,
 ) -> None:
     """Probe, compare with the baselines, and exit 0/1/2/3 (the gate for CI and benchmark sessions)."""
     from canaryd.progress import shown
@@ -115,7 +123,7 @@ def check(
     with shown("probing", "canaries", enabled=show_progress(as_json)):
         from canaryd.probe.preflight import checked_pass
 
-        passed = checked_pass(load(ctx), backend, pinned, pin)
+        passed = checked_pass(load(ctx), backend, pinned, pin, max_configurations)
     from canaryd.report.console import show_pass
 
     show_pass(passed, as_json, console())
@@ -208,6 +216,7 @@ def preflight(
     post_check: Annotated[
         bool, typer.Option(help="Probe again after the command, so the record says whether it held.")
     ] = True,
+    max_configurations: MaxConfigurations = None,
 ) -> None:
     """Run the canaries; if nothing moved, run COMMAND and write the reproducibility record beside it.
 
@@ -221,7 +230,15 @@ def preflight(
     pinned = load_pin(pin)
     show = partial(show_pass, as_json=False, console=console(stderr=True))
     report = run_preflight(
-        load(ctx), pinned, pin, command, out_dir, backend=backend, post_check=post_check, on_checked=show
+        load(ctx),
+        pinned,
+        pin,
+        command,
+        out_dir,
+        backend=backend,
+        post_check=post_check,
+        on_checked=show,
+        max_configurations=max_configurations,
     )
     show_preflight(report)
     raise typer.Exit(report.exit_code)

@@ -553,13 +553,33 @@ def build_panels(ids: Ids) -> list[tuple[str, list]]:
         ),
         series_panel(
             ids,
-            "Distinct fingerprints",
-            "Distinct system_fingerprint values a backend returned within canaryd's fingerprint window "
-            "(canaryd_backend_fingerprints). More than 1 = the provider rotated its serving config.",
+            "Fingerprints and serving configurations",
+            "Distinct system_fingerprint values and serving configurations (fingerprint, provider or "
+            "deployment) a backend answered from within canaryd's fingerprint window "
+            "(canaryd_backend_fingerprints, canaryd_backend_configurations), and configurations new to a "
+            "canary per interval (canaryd_backend_new_configurations_total). More than 1 configuration = "
+            "a fleet or router serves the backend: each has its own baselines.",
             "short",
             8,
             7,
-            [query("A", f"max by (backend) (canaryd_backend_fingerprints{{{BACKEND}}})", "{{backend}}")],
+            [
+                query(
+                    "A",
+                    f"max by (backend) (canaryd_backend_fingerprints{{{BACKEND}}})",
+                    "{{backend}} fingerprints",
+                ),
+                query(
+                    "B",
+                    f"max by (backend) (canaryd_backend_configurations{{{BACKEND}}})",
+                    "{{backend}} configurations",
+                ),
+                query(
+                    "C",
+                    "sum by (backend) "
+                    f"(increase(canaryd_backend_new_configurations_total{{{BACKEND}}}[{RATE}]))",
+                    "{{backend}} new",
+                ),
+            ],
         ),
         timeline_panel(
             ids,

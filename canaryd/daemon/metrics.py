@@ -51,6 +51,7 @@ from canaryd.judge.compare import Verdict
 from canaryd.judge.stats import DetectorState
 from canaryd.observation import ErrorKind, storable
 from canaryd.probe.run import BackendRun
+from canaryd.stack import configuration_of
 
 PROBE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 MARK = "…"  # where a label value too long for its series was cut
@@ -273,6 +274,21 @@ class Metrics:
             "Distinct system_fingerprint values seen in the fingerprint window.",
             b,
         )
+        self.configurations = self._new(
+            per_pass,
+            Gauge,
+            "canaryd_backend_configurations",
+            "Distinct serving configurations (fingerprint, provider, deployment) the backend answered from "
+            "in the fingerprint window; 0 when its answers name none.",
+            b,
+        )
+        self.new_configurations = self._new(
+            per_pass,
+            Counter,
+            "canaryd_backend_new_configurations",
+            "Probes whose serving configuration was new to their canary (verdict new-configuration).",
+            b,
+        )
         self.e_cusum = self._new(
             per_pass,
             Gauge,
@@ -340,6 +356,8 @@ class Metrics:
             self.stack_info,
             self.stack_changes,
             self.fingerprints,
+            self.configurations,
+            self.new_configurations,
             self.reachable,
             self.e_cusum,
             self.alarm,
@@ -352,6 +370,7 @@ class Metrics:
         self._stack_labels: dict[str, tuple[str, ...]] = {}
         self._stack_hash: dict[str, str] = {}
         self._fingerprints: dict[str, deque[tuple[float, str]]] = {}
+        self._configurations: dict[str, deque[tuple[float, str]]] = {}
         self._lease: dict[str, bool] = {}
 
     def _add(self, registry: CollectorRegistry, collector):
@@ -392,7 +411,13 @@ class Metrics:
             for b in self._backends - set(longest):
                 for m in self._per_backend:
                     m.remove_by_labels({"backend": b})
-                for state in (self._stack_labels, self._stack_hash, self._fingerprints, self._lease):
+                for state in (
+                    self._stack_labels,
+                    self._stack_hash,
+                    self._fingerprints,
+                    self._configurations,
+                    self._lease,
+                ):
                     state.pop(b, None)
             self._backends = set(longest)
             for b, seconds in longest.items():
@@ -420,7 +445,7 @@ class Metrics:
                 for m in self._per_backend:
                     if isinstance(m, Gauge) and m is not self.interval and m is not self.lease_held:
                         m.remove_by_labels({"backend": backend})
-                for state in (self._stack_labels, self._stack_hash, self._fingerprints):
+                for state in (self._stack_labels, self._stack_hash, self._fingerprints, self._configurations):
                     state.pop(backend, None)
             self.lease_held.labels(backend).set(1 if held else 0)
         if changed:
@@ -463,6 +488,7 @@ class Metrics:
         )
         self.budget_skips.labels(b)
         self.config_errors.labels(b)  # 0 until the daemon counts a refusal (`set_config_errors`)
+        self.new_configurations.labels(b)
         for res in run.results:
             obs, cmp = res.observation, res.comparison
             if obs.error_kind is stopped:
@@ -485,6 +511,10 @@ class Metrics:
                 p.delta = 0.0
             if obs.system_fingerprint:  # by digest: a window of 1 MB fingerprints must not fill memory
                 self._fingerprints.setdefault(b, deque()).append((now, _digest(obs.system_fingerprint)))
+            if configuration := configuration_of(obs.stack):
+                self._configurations.setdefault(b, deque()).append((now, configuration))
+            if cmp.verdict is Verdict.NEW_CONFIG:
+                self.new_configurations.labels(b).inc()
         if not run.unavailable:  # an unreachable backend keeps its last evidence
             on_text = {
                 r.observation.canary_id
@@ -503,9 +533,13 @@ class Metrics:
         # now: it ages out a window from here, not when the clock catches up with it, and it cannot hold
         # the stamps behind it in the window (nor grow it) meanwhile.
         cutoff = now - self.fingerprint_window_s
-        seen = deque((min(t, now), fp) for t, fp in self._fingerprints.get(b, ()) if t >= cutoff)
-        self._fingerprints[b] = seen
-        self.fingerprints.labels(b).set(len({fp for _, fp in seen}))
+        for state, gauge in (
+            (self._fingerprints, self.fingerprints),
+            (self._configurations, self.configurations),
+        ):
+            seen = deque((min(t, now), v) for t, v in state.get(b, ()) if t >= cutoff)
+            state[b] = seen
+            gauge.labels(b).set(len({v for _, v in seen}))
         if run.unavailable or not run.stack_hash:
             return
         if b in self._stack_hash and self._stack_hash[b] != run.stack_hash:

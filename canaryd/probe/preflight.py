@@ -27,6 +27,7 @@ from canaryd.judge.compare import Verdict
 from canaryd.observation import ErrorKind, Observation
 from canaryd.probe.budget import over_budget
 from canaryd.probe.run import Result, plan, run_pass
+from canaryd.report.configurations import Served, over_limit, served
 from canaryd.report.pin import Pin, PinnedBackend, PinReport, check_pin
 from canaryd.report.record import build_record, summarize, to_markdown
 from canaryd.report.tables import result_dict
@@ -63,6 +64,11 @@ def stacks_now(results: Sequence[Result]) -> dict[str, dict[str, str]]:
     }
 
 
+def configurations_now(results: Sequence[Result]) -> dict[str, tuple[str, ...]]:
+    """Each backend's serving configurations in this pass (those its answers named)."""
+    return {b: s.ids for b, s in served(results).items()}
+
+
 def pinned_config(config: Config, pin: Pin, pin_path: Path, backend: str | None) -> Config:
     """The config narrowed to the pinned backends: a check against a pin probes what the pin names."""
     names = {b.name for b in config.backends}
@@ -87,13 +93,26 @@ class PassCheck:
 
     results: tuple[Result, ...]
     pin: PinReport | None = None
+    max_configurations: int | None = None  # `--max-configurations`: more on a backend fails the pass
 
     @property
     def exit_code(self) -> int:
         code = gate(self.results)
         if code == EXIT_OK and self.pin is not None and not self.pin.matches:
             return EXIT_DRIFT
+        if code == EXIT_OK and self.too_many:
+            return EXIT_DRIFT
         return code
+
+    @property
+    def configurations(self) -> list[Served]:
+        """The serving configurations that answered each backend, in result order."""
+        return list(served(self.results).values())
+
+    @property
+    def too_many(self) -> list[str]:
+        """One line per backend served by more configurations than ``max_configurations``."""
+        return over_limit(self.configurations, self.max_configurations)
 
     @property
     def config_errors(self) -> list[str]:
@@ -111,20 +130,35 @@ class PassCheck:
             doc["config_errors"] = self.config_errors
         if self.pin is not None:
             doc["pin"] = self.pin.as_dict()
+        doc["configurations"] = {s.backend: s.as_dict() for s in self.configurations}
+        if self.max_configurations is not None:
+            doc["max_configurations"] = {"limit": self.max_configurations, "exceeded": self.too_many}
         return doc
 
 
 def checked_pass(
-    config: Config, backend: str | None = None, pin: Pin | None = None, pin_path: Path | None = None
+    config: Config,
+    backend: str | None = None,
+    pin: Pin | None = None,
+    pin_path: Path | None = None,
+    max_configurations: int | None = None,
 ) -> PassCheck:
-    """Probe every (or one) backend once; with a pin, only the pinned backends, and check the pin. A backend
-    whose daily budget the pass would pass is not probed at all (`BudgetSpent`, exit 3)."""
+    """Probe every (or one) backend once; with a pin, only the pinned backends, and check the pin; with
+    ``max_configurations``, a backend served by more configurations fails the pass. A backend whose daily
+    budget the pass would pass is not probed at all (`BudgetSpent`, exit 3)."""
+    check_limit(max_configurations)
     refuse_over_budget(config, backend)
     if pin is None:
-        return PassCheck(tuple(run_pass(config, only=backend)))
+        return PassCheck(tuple(run_pass(config, only=backend)), None, max_configurations)
     if pin_path is None:
         raise ValueError("checked_pass: a pin comes with its path")
-    return _pinned_pass(pinned_config(config, pin, pin_path, backend), backend, pin, pin_path)
+    pinned = _pinned_pass(pinned_config(config, pin, pin_path, backend), backend, pin, pin_path)
+    return PassCheck(pinned.results, pinned.pin, max_configurations)
+
+
+def check_limit(max_configurations: int | None) -> None:
+    if max_configurations is not None and max_configurations < 1:
+        raise InputError(f"--max-configurations: {max_configurations} is not 1 or more")
 
 
 def refuse_over_budget(config: Config, only: str | None = None) -> None:
@@ -149,7 +183,8 @@ def refuse_over_budget(config: Config, only: str | None = None) -> None:
 
 def _pinned_pass(config: Config, backend: str | None, pin: Pin, pin_path: Path) -> PassCheck:
     results = run_pass(config, only=backend)
-    return PassCheck(tuple(results), check_pin(pin, stacks_now(results), str(pin_path)))
+    report = check_pin(pin, stacks_now(results), str(pin_path), configurations_now(results))
+    return PassCheck(tuple(results), report)
 
 
 # -- pin ------------------------------------------------------------------------------------------------
@@ -177,11 +212,12 @@ def take_pin(config: Config, backend: str | None = None) -> PinTaken:
         refused = (r.observation for r in checked.results if r.observation.error_kind is ErrorKind.CONFIG)
         return PinTaken(None, next(refused, checked.first_error))
     runs = {r.observation.backend: r.run_id for r in checked.results}
+    configurations = configurations_now(checked.results)
     pinned = Pin(
         created=_now(),
         canaryd=__version__,
         backends={
-            b: PinnedBackend(config.backend(b).kind, s, runs[b])
+            b: PinnedBackend(config.backend(b).kind, s, runs[b], configurations.get(b, ()))
             for b, s in stacks_now(checked.results).items()
         },
     )
@@ -243,14 +279,17 @@ def run_preflight(
     backend: str | None = None,
     post_check: bool = True,
     on_checked: Callable[[PassCheck], None] | None = None,
+    max_configurations: int | None = None,
 ) -> PreflightReport:
     """Probe and check the pin; if nothing moved, keep the evidence, run ``command``, probe again (with
     ``post_check``) and write ``canaryd-record.json`` and ``.md`` into ``out_dir``.
 
     ``on_checked`` sees the first pass before the command starts (the CLI prints its tables there).
     """
+    check_limit(max_configurations)
     config = pinned_config(config, pin, pin_path, backend)
-    checked = _pinned_pass(config, backend, pin, pin_path)
+    pinned = _pinned_pass(config, backend, pin, pin_path)
+    checked = PassCheck(pinned.results, pinned.pin, max_configurations)
     if on_checked is not None:
         on_checked(checked)
     argv = tuple(command)

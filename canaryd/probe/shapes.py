@@ -116,6 +116,8 @@ def _first_of_configuration(
         baseline_correct=base.correct,
         logprob_tolerance=settings.logprob_tolerance,
     )
+    if against.verdict is Verdict.BASELINE:  # that baseline is refused or for an older request: no news
+        return Judged(obs, against, base.observation_id)
     return Judged(obs, new_configuration(configuration, other, against), base.observation_id)
 
 

@@ -17,6 +17,7 @@ from rich.console import Console
 
 from canaryd.errors import EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE
 from canaryd.files import write_private
+from canaryd.report.configurations import unchecked
 from canaryd.report.tables import (
     calibration_table,
     census_table,
@@ -54,14 +55,22 @@ def show_pass(check: PassCheck, as_json: bool, console: Console, exit_code: int 
         print(json.dumps(doc, indent=2))
         return
     print_tables(console, results_table(check.results), stack_changes_table(check.results))
+    for seen in check.configurations:
+        console.print(seen.describe(), highlight=False, soft_wrap=True)
     pin = check.pin
     if pin is not None:
-        if pin.fields or pin.unreachable:
+        if pin.fields or pin.unreachable or pin.unpinned:
             print_tables(console, pin_table(pin))
         verdict = "matches" if pin.matches else f"{len(pin.moved)} field(s) moved"
+        if pin.unpinned:
+            verdict += f", {len(pin.unpinned)} configuration(s) not in the pin served"
         if pin.unreachable:
             verdict = f"cannot be confirmed ({', '.join(pin.unreachable)} unreachable)"
         console.print(f"pin {pin.path}: {verdict}", highlight=False, soft_wrap=True)
+    for line in check.too_many:  # one line each: the backend and the configurations that served it
+        _err(f"canaryd: {line}")
+    for line in unchecked(check.configurations, check.max_configurations):
+        _err(f"canaryd: note: {line}")
     refused = check.config_errors
     for line in refused:  # one line each: the backend, the parameter, the profile key that fixes it
         _err(f"canaryd: config error: {line}")

@@ -6,6 +6,11 @@ the pin's evidence, kept in the store) and writes JSON with sorted keys and one 
 ``git diff`` of two pins shows exactly which field moved. ``check --pin`` and ``preflight`` compare a
 fresh probe with it: a pinned field that changed or disappeared has *moved* (fails); a field the pin
 does not know is *new* (reported, never fails: a newer canaryd or engine may expose more facts).
+
+A pin also lists the serving configurations that answered (`canaryd.stack.configuration_of`): later, a
+configuration the pin does not list fails the check, while a pinned one that happened not to answer does
+not (a load balancer picks at random). The identity fields are then checked through the configurations,
+not field by field: a fleet's merged fingerprints differ from pass to pass with the balancer's draws.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from pathlib import Path
 
 from canaryd.errors import InputError
 from canaryd.files import read_regular
-from canaryd.stack import diff, stack_hash
+from canaryd.stack import IDENTITY_FIELDS, diff, stack_hash
 
 FORMAT = "canaryd-pin/1"
 PIN_BYTES = 16 << 20  # a pin file larger than this is refused unread
@@ -34,6 +39,7 @@ class PinnedBackend:
     kind: str
     fields: dict[str, str]
     run_id: int | None = None  # the probe run whose observations are the pin's evidence
+    configurations: tuple[str, ...] | None = None  # None: a pin from before configurations were pinned
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +60,7 @@ def to_json(pin: Pin) -> str:
                 "run_id": b.run_id,
                 "stack_hash": stack_hash(b.fields),
                 "fields": pinnable(b.fields),
+                **({"configurations": list(b.configurations)} if b.configurations is not None else {}),
             }
             for name, b in pin.backends.items()
         },
@@ -81,7 +88,13 @@ def load_pin(path: Path) -> Pin:
         fields = b.get("fields") if isinstance(b, dict) else None
         if not isinstance(fields, dict) or not all(isinstance(v, str) for v in fields.values()):
             raise InputError(f"{path}: backends.{name}.fields: must be a table of strings")
-        out[name] = PinnedBackend(str(b.get("kind", "")), fields, b.get("run_id"))
+        configurations = b.get("configurations")
+        if configurations is not None and (
+            not isinstance(configurations, list) or not all(isinstance(c, str) for c in configurations)
+        ):
+            raise InputError(f"{path}: backends.{name}.configurations: must be a list of strings")
+        pinned = tuple(configurations) if configurations is not None else None
+        out[name] = PinnedBackend(str(b.get("kind", "")), fields, b.get("run_id"), pinned)
     return Pin(str(doc.get("created", "")), str(doc.get("canaryd", "")), out)
 
 
@@ -106,6 +119,7 @@ class PinReport:
     path: str
     fields: tuple[PinField, ...]
     unreachable: tuple[str, ...] = ()  # pinned backends with no stack now: cannot be confirmed
+    unpinned: tuple[tuple[str, str], ...] = ()  # (backend, configuration) that served but is not pinned
 
     @property
     def moved(self) -> list[PinField]:
@@ -113,7 +127,7 @@ class PinReport:
 
     @property
     def matches(self) -> bool:
-        return not self.moved and not self.unreachable
+        return not self.moved and not self.unreachable and not self.unpinned
 
     def as_dict(self) -> dict:
         return {
@@ -122,17 +136,35 @@ class PinReport:
             "moved": [f.as_dict() for f in self.moved],
             "new": [f.as_dict() for f in self.fields if not f.moved],
             "unreachable": list(self.unreachable),
+            "unpinned_configurations": [{"backend": b, "configuration": c} for b, c in self.unpinned],
         }
 
 
-def check_pin(pin: Pin, now: dict[str, dict[str, str]], path: str = "") -> PinReport:
-    """Compare each pinned backend's stack now (``{}``: it was unreachable) with what the pin says."""
+def check_pin(
+    pin: Pin,
+    now: dict[str, dict[str, str]],
+    path: str = "",
+    configurations: dict[str, tuple[str, ...]] | None = None,
+) -> PinReport:
+    """Compare each pinned backend's stack now (``{}``: it was unreachable) with what the pin says, and the
+    configurations that served now (``configurations``) with those it lists."""
     fields: list[PinField] = []
     unreachable = []
+    unpinned: list[tuple[str, str]] = []
     for name in sorted(now.keys() & pin.backends.keys()):
         if not now[name]:
             unreachable.append(name)
             continue
-        for c in diff(pinnable(pin.backends[name].fields), pinnable(now[name])):
+        pinned = pin.backends[name]
+        before, after = pinnable(pinned.fields), pinnable(now[name])
+        if pinned.configurations is not None:
+            before, after = _without_identity(before), _without_identity(after)
+            seen = (configurations or {}).get(name, ())
+            unpinned += [(name, c) for c in seen if c not in pinned.configurations]
+        for c in diff(before, after):
             fields.append(PinField(name, c.field, c.before, c.after))
-    return PinReport(path, tuple(fields), tuple(unreachable))
+    return PinReport(path, tuple(fields), tuple(unreachable), tuple(unpinned))
+
+
+def _without_identity(fields: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in fields.items() if k not in IDENTITY_FIELDS}

@@ -218,6 +218,8 @@ def pin_table(report: PinReport) -> Table:
         t.add_row(f.backend, f.field, f.pinned or "(absent)", f.now or "(absent)", status)
     for b in report.unreachable:
         t.add_row(b, "-", "-", "-", "unreachable")
+    for b, configuration in report.unpinned:
+        t.add_row(b, "configuration", "(not pinned)", configuration or "(none)", "unpinned configuration")
     return t
 
 

@@ -278,7 +278,8 @@ def test_piped_tables_are_plain_and_keep_whole_lines(tmp_path):
     assert not set("┃━│─┏┡└╇") & set(p.stdout), p.stdout
     rows = [line.split() for line in p.stdout.splitlines()]
     assert rows[1][:3] == ["backend", "canary", "verdict"]
-    assert {r[1] for r in rows[2:]} == {"add", "capital", "colors"}
+    assert {r[1] for r in rows[2:-1]} == {"add", "capital", "colors"}
+    assert rows[-1][:4] == ["fake:", "1", "serving", "configuration"]  # the run's configurations
     assert "\r" not in p.stderr
 
 
