@@ -12,6 +12,11 @@ calibrated signals of a backend without logprobs. A calibration must not launder
 canary's baseline (its answer, or its reasoning tokens) lies outside the noise just measured, the stack
 moved since the baseline, and that model is not saved (accept the new baseline first, or
 investigate).
+
+A backend served by several configurations (`canaryd.stack.configuration_of`) is calibrated per
+configuration: the K probes are grouped by the configuration that answered them, and each group gets its
+own model. A configuration that answered fewer than `MIN_PROBES` of them gets none (and says so): its
+canaries are then judged uncalibrated against their own baselines.
 """
 
 from __future__ import annotations
@@ -29,7 +34,10 @@ from canaryd.judge.signals import score_signals
 from canaryd.judge.stats import CalibrationError, NoiseModel, fit, score
 from canaryd.observation import Observation, tokens_problem
 from canaryd.probe.shapes import shape_of
+from canaryd.stack import configuration_of
 from canaryd.store import Store, open_store
+
+MIN_PROBES = 3  # the fewest probes of one configuration a model is fitted from
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +49,7 @@ class Calibrated:
     model: NoiseModel | None
     errors: int
     problem: str | None = None  # why nothing was saved
+    configuration: str = ""  # the serving configuration it was measured on ("" none named)
 
     @property
     def unavailable(self) -> bool:
@@ -51,6 +60,7 @@ class Calibrated:
         return {
             "backend": self.backend,
             "canary": self.canary_id,
+            "configuration": self.configuration,
             "saved": self.problem is None,
             "problem": self.problem,
             "errors": self.errors,
@@ -77,22 +87,50 @@ def calibrate(
             continue
         probes = shape.calibration_probes(backend, canary, crowd, k=k, batch_sizes=batch_sizes)
         for cid, observed in probes.items():
-            errors = sum(not o.ok for o in observed)
-            try:
-                model = fit(observed)
-            except CalibrationError as e:
-                out.append(Calibrated(backend.name, cid, None, errors, str(e)))
-                continue
-            problem = None
-            base = store.baseline(backend.name, cid)
-            if base is not None and tokens_problem(base.observation.tokens) is not None:
-                base = None  # unusable logprobs, stored by an older version: the next pass replaces it
-            if base is not None and base.observation.request_hash == model.request_hash:
-                problem = _outside(model, base.observation)
-            if problem is None:
-                store.save_calibration(backend.name, cid, model)
-            out.append(Calibrated(backend.name, cid, model, errors, problem))
+            out.extend(_fit_each(backend.name, cid, observed, store))
     return out
+
+
+def _fit_each(backend: str, cid: str, observed: list[Observation], store: Store) -> list[Calibrated]:
+    """A model per serving configuration that answered the K probes (failed probes count as errors of
+    each). One configuration: as before, whatever the count."""
+    errors = sum(not o.ok for o in observed)
+    groups: dict[str, list[Observation]] = {}
+    for o in observed:
+        if o.ok:
+            groups.setdefault(configuration_of(o.stack), []).append(o)
+    if len(groups) <= 1:
+        only = next(iter(groups), "")
+        return [_fit_one(backend, cid, observed, store, only, errors)]
+    out = []
+    for configuration, group in sorted(groups.items()):
+        if len(group) < MIN_PROBES:
+            why = (
+                f"configuration {configuration or '(none)'} answered {len(group)} of {len(observed)} "
+                f"probes (fewer than {MIN_PROBES}): not calibrated"
+            )
+            out.append(Calibrated(backend, cid, None, errors, why, configuration))
+            continue
+        out.append(_fit_one(backend, cid, group, store, configuration, errors))
+    return out
+
+
+def _fit_one(
+    backend: str, cid: str, observed: list[Observation], store: Store, configuration: str, errors: int
+) -> Calibrated:
+    try:
+        model = fit(observed)
+    except CalibrationError as e:
+        return Calibrated(backend, cid, None, errors, str(e), configuration)
+    problem = None
+    base = store.baseline(backend, cid, configuration)
+    if base is not None and tokens_problem(base.observation.tokens) is not None:
+        base = None  # unusable logprobs, stored by an older version: the next pass replaces it
+    if base is not None and base.observation.request_hash == model.request_hash:
+        problem = _outside(model, base.observation)
+    if problem is None:
+        store.save_calibration(backend, cid, model, configuration)
+    return Calibrated(backend, cid, model, errors, problem, configuration)
 
 
 def _outside(model: NoiseModel, base: Observation) -> str | None:

@@ -8,6 +8,7 @@ import itertools
 import pytest
 
 from tests.e2e.postgres import PostgresServer
+from tests.unit import test_configurations
 from tests.unit import test_migrations as on_sqlite
 
 _names = itertools.count()
@@ -35,6 +36,9 @@ test_a_database_from_before_migrations_is_refused_in_one_line = (
 )
 test_a_database_from_a_newer_canaryd_is_refused = on_sqlite.test_a_database_from_a_newer_canaryd_is_refused
 test_db_upgrade_and_current_commands = on_sqlite.test_db_upgrade_and_current_commands
+test_migration_gives_old_baselines_and_calibrations_their_configuration = (
+    test_configurations.test_migration_gives_old_baselines_and_calibrations_their_configuration
+)
 
 
 def test_postgres_binaries_are_required_not_optional(monkeypatch):
