@@ -21,7 +21,7 @@ from canaryd.errors import InputError
 from canaryd.judge.compare import Verdict, basis_of, text_delta, token_delta
 from canaryd.observation import Observation
 from canaryd.report.pin import Pin, check_pin
-from canaryd.stack import FieldChange, diff, merge_stacks, stack_hash
+from canaryd.stack import FieldChange, configurations_of, diff, merge_stacks, stack_hash
 from canaryd.store import RunStacks, Store, StoredObservation
 
 RECORD_FORMAT = "canaryd-record/1"
@@ -268,9 +268,11 @@ def build_record(
     if not pairs:
         raise InputError(f"record: no observations in run(s) {', '.join(map(str, run_ids))}")
     rows = [row for row, _ in pairs]
-    stacks = {
-        b: merge_stacks(o.stack for row, o in pairs if row.backend == b and o.ok)
-        for b in sorted({r.backend for r in rows})
+    backends = sorted({r.backend for r in rows})
+    stacks = {b: merge_stacks(o.stack for row, o in pairs if row.backend == b and o.ok) for b in backends}
+    configurations = {
+        b: tuple(configurations_of(o.stack for row, o in pairs if row.backend == b and o.ok))
+        for b in backends
     }
     changes = []
     for r in rows:
@@ -303,10 +305,12 @@ def build_record(
                 "kind": s.get("backend.kind"),
                 "stack_hash": stack_hash(s) if s else None,
                 "fields": s,
+                # the serving configurations that answered ("" an answer naming none)
+                "configurations": list(configurations[b]),
             }
             for b, s in stacks.items()
         },
-        "pin": check_pin(pin, stacks, pin_path).as_dict() if pin is not None else None,
+        "pin": check_pin(pin, stacks, pin_path, configurations).as_dict() if pin is not None else None,
         "canaries": [
             {
                 "backend": r.backend,
@@ -371,12 +375,21 @@ def _pin_line(pin: dict | None) -> str:
     return f"**moved** against `{pin['file']}`: " + "; ".join(parts)
 
 
+def _configurations_note(ids: list[str] | None) -> str:
+    """``, 2 serving configurations (a, b)``; unknown when no answer named one (or an older record)."""
+    if not ids or not any(ids):
+        return ", serving configurations unknown" if ids else ""
+    n = len(ids)
+    return f", {n} serving configuration{'s' if n != 1 else ''} ({', '.join(i or '(none)' for i in ids)})"
+
+
 def to_markdown(rec: dict) -> str:
     """The record for people: the five lines first, then the detail behind each."""
     s, st = rec["session"], rec["storage"]
     counts = Counter(c["verdict"] for c in rec["canaries"])
     stack_line = "; ".join(
         f"`{b}` ({v['kind'] or 'kind unknown'}) stack `{v['stack_hash']}`, {len(v['fields'])} fields"
+        + _configurations_note(v.get("configurations"))
         for b, v in rec["stack"].items()
     )
     changes_line = (

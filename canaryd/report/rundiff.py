@@ -21,6 +21,7 @@ from datetime import datetime
 
 from canaryd.errors import InputError
 from canaryd.observation import Observation
+from canaryd.stack import configuration_of
 from canaryd.store import Store, StoredObservation
 
 
@@ -36,6 +37,7 @@ class StepOutput:
     error: str | None = None
     fingerprint: str | None = None
     stack_hash: str | None = None
+    configuration: str = ""  # `canaryd.stack.configuration_of` its stack ("" none named)
 
     @property
     def question(self) -> str:
@@ -57,6 +59,7 @@ def step_output(row: StoredObservation, obs: Observation) -> StepOutput:
         error=row.error,
         fingerprint=row.system_fingerprint,
         stack_hash=row.stack_hash,
+        configuration=configuration_of(obs.stack),
     )
 
 
@@ -97,6 +100,8 @@ class Run:
             "errors": len(self.steps) - len(ok),
             "system_fingerprints": sorted({s.fingerprint for s in ok if s.fingerprint is not None}),
             "stack_hashes": sorted({s.stack_hash for s in ok if s.stack_hash is not None}),
+            # the serving configurations that answered (empty: none named; see README, serving configurations)
+            "configurations": sorted({s.configuration for s in ok if s.configuration}),
         }
 
 

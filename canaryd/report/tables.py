@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from canaryd.judge.verdicts import Verdict
+from canaryd.stack import configuration_of
 
 if TYPE_CHECKING:
     from canaryd.judge.census import Census
@@ -42,6 +43,7 @@ def result_dict(r: Result) -> dict:
         "text": o.text,
         "latency_s": o.latency_s,
         "system_fingerprint": o.system_fingerprint,
+        "configuration": configuration_of(o.stack) if o.ok else None,
         "prompt_tokens": o.prompt_tokens,
         "completion_tokens": o.completion_tokens,
         "reasoning_tokens": o.reasoning_tokens,
@@ -293,6 +295,7 @@ def diff_table(diffs: Iterable[PairDiff]) -> Table:
         ("answers wrong → correct", lambda d: str(len(d.to_right))),
         ("largest score movement on one suite", largest),
         ("system fingerprints serving each run", lambda d: _distinct(d, "system_fingerprints")),
+        ("serving configurations of each run", lambda d: _distinct(d, "configurations")),
         ("stacks serving each run", lambda d: _distinct(d, "stack_hashes")),
         ("canaries in one run only (A / B)", lambda d: f"{len(d.only_in_a)} / {len(d.only_in_b)}"),
     ]

@@ -1,0 +1,81 @@
+"""A random load balancer on loopback: each request goes to one upstream, picked at random (seeded) by
+weight, the way a naive L7 balancer spreads an OpenAI-compatible endpoint over servers. Tests change the
+pool while it runs (``set_pool``) to add, drop or favour a server."""
+
+from __future__ import annotations
+
+import http.client
+import random
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from canaryd.lab.vllm_process import free_port
+
+_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding"}
+
+
+class Balancer:
+    """``with Balancer({port: weight, ...}) as lb:`` serves at ``lb.base_url``; ``lb.served`` counts the
+    requests each upstream port answered."""
+
+    def __init__(self, pool: dict[int, float], *, port: int | None = None, seed: int = 0) -> None:
+        self.port = port or free_port()
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()
+        self.served: dict[int, int] = {}
+        self.set_pool(pool)
+        balancer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:  # quiet
+                pass
+
+            def _forward(self) -> None:
+                body = self.rfile.read(int(self.headers.get("content-length") or 0))
+                port = balancer.pick()
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+                try:
+                    headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
+                    conn.request(self.command, self.path, body=body or None, headers=headers)
+                    reply = conn.getresponse()
+                    data = reply.read()
+                    self.send_response(reply.status)
+                    for k, v in reply.getheaders():
+                        if k.lower() not in _HOP:
+                            self.send_header(k, v)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                finally:
+                    conn.close()
+
+            do_GET = do_POST = _forward
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def set_pool(self, pool: dict[int, float]) -> None:
+        with self._lock:
+            self._pool = dict(pool)
+
+    def pick(self) -> int:
+        with self._lock:
+            ports, weights = list(self._pool), list(self._pool.values())
+            port = self._rng.choices(ports, weights=weights)[0]
+            self.served[port] = self.served.get(port, 0) + 1
+            return port
+
+    def __enter__(self) -> Balancer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()
