@@ -32,7 +32,7 @@ from canaryd.judge.stats import CalibrationError, NoiseModel
 from canaryd.observation import ErrorKind, Observation
 from canaryd.probe import vet
 from canaryd.probe.chain import mark_divergence, run_chain
-from canaryd.stack import configuration_of
+from canaryd.stack import IDENTITY_FIELDS, configuration_of
 
 if TYPE_CHECKING:
     from canaryd.backends import Backend
@@ -109,8 +109,12 @@ def _first_of_configuration(
     """A configuration new to a canary that has baselines under others: compared, uncalibrated, with the
     most recent of them, to say how it behaves; it becomes its own configuration's baseline."""
     other, base = max(others.items(), key=lambda kv: kv[1].observation_id)
+    # the identity fields differ by definition: the question is whether the answers do
+    aligned = {k: v for k, v in base.observation.stack.items() if k not in IDENTITY_FIELDS}
+    aligned.update({k: v for k, v in obs.stack.items() if k in IDENTITY_FIELDS})
+    view = replace(base.observation, stack=aligned, system_fingerprint=obs.system_fingerprint)
     against = compare(
-        base.observation,
+        view,
         obs,
         correct=correct,
         baseline_correct=base.correct,
@@ -118,7 +122,9 @@ def _first_of_configuration(
     )
     if against.verdict is Verdict.BASELINE:  # that baseline is refused or for an older request: no news
         return Judged(obs, against, base.observation_id)
-    return Judged(obs, new_configuration(configuration, other, against), base.observation_id)
+    judged = new_configuration(configuration, other, against)
+    moved = base.observation.system_fingerprint != obs.system_fingerprint
+    return Judged(obs, replace(judged, fingerprint_changed=moved), base.observation_id)
 
 
 class Plain:
