@@ -227,7 +227,12 @@ def show_accepted(accepted: Sequence[Accepted], dropped: int, as_json: bool = Fa
     if as_json:
         if accepted:
             rows = [
-                {"backend": a.backend, "canary": a.canary_id, "observation_id": a.observation_id}
+                {
+                    "backend": a.backend,
+                    "canary": a.canary_id,
+                    "configuration": a.configuration,
+                    "observation_id": a.observation_id,
+                }
                 for a in accepted
             ]
             print(
@@ -237,7 +242,8 @@ def show_accepted(accepted: Sequence[Accepted], dropped: int, as_json: bool = Fa
             )
         return
     for a in accepted:
-        print(f"{a.backend} {a.canary_id}: baseline is now observation {a.observation_id}")
+        under = f" (configuration {a.configuration})" if a.configuration else ""
+        print(f"{a.backend} {a.canary_id}{under}: baseline is now observation {a.observation_id}")
     if dropped:
         print(f"{dropped} calibration(s) dropped with the old baselines: run `canaryd baseline calibrate`")
 
