@@ -319,3 +319,21 @@ def test_simulation_false_alarms_stay_within_the_bound_per_configuration_and_not
     outs1, drift1, alarm1 = _simulate(per_configuration=False)
     # two thirds of the probes land on another server than the baseline's: out, the alarm raised, drift
     assert outs1 > probes / 2 and alarm1 and drift1 > probes / 2
+
+
+def test_a_configuration_too_rare_in_the_calibration_probes_gets_no_model_and_says_so(tmp_path):
+    from canaryd.probe.calibrate import MIN_PROBES, _fit_each
+
+    rng = random.Random(3)
+    observed = [_answer(rng, 0, 0) for _ in range(10)] + [_answer(rng, 0, 1) for _ in range(MIN_PROBES - 1)]
+    store = Store(f"sqlite:///{tmp_path}/c.db")
+    common, rare = (configuration_of(o.stack) for o in (observed[0], observed[-1]))
+    results = {r.configuration: r for r in _fit_each("b", "c0", observed, store)}
+    assert results[common].model is not None and results[common].problem is None
+    assert results[rare].model is None
+    assert (
+        results[rare].problem
+        == f"configuration {rare} answered 2 of 12 probes (fewer than 3): not calibrated"
+    )
+    assert store.calibration("b", "c0", common) is not None and store.calibration("b", "c0", rare) is None
+    store.close()
