@@ -9,8 +9,9 @@ does not know is *new* (reported, never fails: a newer canaryd or engine may exp
 
 A pin also lists the serving configurations that answered (`canaryd.stack.configuration_of`): later, a
 configuration the pin does not list fails the check, while a pinned one that happened not to answer does
-not (a load balancer picks at random). The identity fields are then checked through the configurations,
-not field by field: a fleet's merged fingerprints differ from pass to pass with the balancer's draws.
+not (a load balancer picks at random). With several pinned, the identity fields are checked through the
+configurations, not field by field: a fleet's merged fingerprints differ from pass to pass with the
+balancer's draws.
 """
 
 from __future__ import annotations
@@ -158,7 +159,8 @@ def check_pin(
         pinned = pin.backends[name]
         before, after = pinnable(pinned.fields), pinnable(now[name])
         if pinned.configurations is not None:
-            before, after = _without_identity(before), _without_identity(after)
+            if len(pinned.configurations) > 1:  # a fleet: its merged identity fields vary with the draws
+                before, after = _without_identity(before), _without_identity(after)
             seen = (configurations or {}).get(name, ())
             unpinned += [(name, c) for c in seen if c not in pinned.configurations]
         for c in diff(before, after):

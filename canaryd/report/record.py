@@ -33,7 +33,8 @@ def iso(t: datetime) -> str:
 
 
 def last_flip(verdicts: Iterable[tuple[int, str]]) -> tuple[int, int] | None:
-    """(last good, first bad) ids of the most recent identical/baseline → drift transition.
+    """(last good, first bad) ids of the most recent identical/baseline → drift transition (or → the first
+    answer of a new serving configuration, which is no drift but is where the answers' source moved).
 
     ``verdicts`` is (observation id, verdict), newest first. Errors are skipped: they are never judged,
     so they neither end a good streak nor start a bad one.
@@ -43,7 +44,7 @@ def last_flip(verdicts: Iterable[tuple[int, str]]) -> tuple[int, int] | None:
         verdict = Verdict(v)
         if verdict is Verdict.ERROR:
             continue
-        if verdict.is_drift:
+        if verdict.is_drift or (verdict is Verdict.NEW_CONFIG and first_bad is None):
             first_bad = oid  # the oldest drift of the newest streak is where it flipped
         elif first_bad is not None:
             return oid, first_bad
