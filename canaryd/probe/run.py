@@ -26,7 +26,7 @@ from canaryd.judge.stats import DetectorState
 from canaryd.observation import ErrorKind, Observation, storable, utcnow
 from canaryd.probe import vet
 from canaryd.probe.shapes import Judged, shape_of
-from canaryd.stack import merge_stacks, stack_hash
+from canaryd.stack import configuration_of, merge_stacks, stack_hash
 from canaryd.store import Judging, Store, open_store
 
 log = structlog.get_logger("canaryd.probe")
@@ -107,6 +107,7 @@ def probe_backend(backend: Backend, canaries: Sequence[Canary], store: Store, co
         except Exception as e:  # a judging bug: this canary's observations become errors, the pass goes on
             bound.exception("judge_failed", canary=canary.id)
             judged.append([_failed(obs, f"judging failed: {_describe(e)}") for obs in observations])
+    judged = _replacement(reads, backend.name, config, canaries, sent, judged, bound)
     flat = [j for per_canary in judged for j in per_canary]
 
     # The cycle as a whole: combine the calibrated evidence and carry the backend's detector forward.
@@ -169,6 +170,70 @@ def probe_backend(backend: Backend, canaries: Sequence[Canary], store: Store, co
     answered = [r.observation.stack for r in results if r.observation.ok]
     run_stack = merge_stacks([stack, *answered]) if failure is None and answered else {}
     return BackendRun(backend.name, backend.kind, run_id, results, run_stack, failure, decision.state)
+
+
+REPLACED = (
+    "no configuration this backend had baselines under served this pass: the serving configuration was "
+    "replaced, so it is judged against the latest baseline, as one configuration"
+)
+
+
+class _Pooled:
+    """The reads of one baseline per canary × backend (the latest of any configuration): the rule for a
+    backend whose configuration was replaced rather than joined by another."""
+
+    def __init__(self, reads: Judging | Store) -> None:
+        self._reads = reads
+
+    def baseline(self, backend: str, canary_id: str, configuration: str | None = None):
+        return self._reads.baseline(backend, canary_id)
+
+    def baselines(self, backend: str, canary_id: str) -> dict:
+        return {}
+
+    def calibration(self, backend: str, canary_id: str, configuration: str | None = None):
+        return self._reads.calibration(backend, canary_id)
+
+    def run_set(self, observation_id: int) -> list[Observation]:
+        return self._reads.run_set(observation_id)
+
+
+def _replacement(
+    reads: Judging | Store,
+    backend: str,
+    config: Config,
+    canaries: Sequence[Canary],
+    sent: list[list[Observation]],
+    judged: list[list[Judged]],
+    bound,
+) -> list[list[Judged]]:
+    """A pass with answers from configurations new to their canaries and none from a configuration the
+    backend knows (one server restarted in another dtype, a provider swapped): not a fleet grown by one
+    but a replacement, judged as before configurations (against the latest baseline and its calibration),
+    so that a silent change of the only server is still drift. A fleet that gains a server keeps
+    answering from the known ones too, and its newcomer is a ``new-configuration``."""
+    new = [any(j.comparison.verdict is Verdict.NEW_CONFIG for j in per) for per in judged]
+    if not any(new):
+        return judged
+    try:
+        known = reads.configurations(backend)
+    except Exception:  # the newcomers stay new: a failure here costs no canary
+        bound.exception("configurations_read_failed")
+        return judged
+    served = {configuration_of(j.observation.stack) for per in judged for j in per if j.observation.ok}
+    if served & known:
+        return judged
+    out = []
+    for canary, observations, per, again in zip(canaries, sent, judged, new, strict=True):
+        if again:
+            per = shape_of(canary).judge(_Pooled(reads), config.compare, canary, observations)
+            per = [replace(j, comparison=_noted(j.comparison, REPLACED)) for j in per]
+        out.append(per)
+    return out
+
+
+def _noted(c: Comparison, why: str) -> Comparison:
+    return c if c.verdict is Verdict.ERROR else replace(c, reasons=(why, *c.reasons))
 
 
 _IDLE: dict[tuple[str, int, int], list[ThreadPoolExecutor]] = {}  # (name, workers, pid) → idle pools

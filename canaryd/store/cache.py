@@ -132,6 +132,10 @@ class Judging:
         """The canary's baseline under each configuration it has one for."""
         return {k: b for (c, k), b in self._loaded.baselines.items() if c == canary_id}
 
+    def configurations(self, backend: str) -> set[str]:
+        """The configurations any of the backend's canaries has a baseline under."""
+        return {k for _, k in self._loaded.baselines}
+
     def calibration(self, backend: str, canary_id: str, configuration: str | None = None) -> dict | None:
         """The configuration's noise model (None: that of the latest baseline's configuration)."""
         if configuration is None:

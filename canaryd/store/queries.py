@@ -146,6 +146,12 @@ class Queries(Connected):
             )
             return _observations(s, list(s.exec(q.order_by(text("id")))))
 
+    def configurations(self, backend: str) -> set[str]:
+        """The configurations any of the backend's canaries has a baseline under."""
+        with self._session() as s:
+            q = select(BaselineRow.configuration).where(BaselineRow.backend == backend).distinct()
+            return set(s.exec(q))
+
     def calibration(self, backend: str, canary_id: str, configuration: str | None = None) -> dict | None:
         """The stored noise model of a canary × backend × configuration (``NoiseModel.as_dict()``; None:
         that of the latest baseline's configuration), None if uncalibrated."""

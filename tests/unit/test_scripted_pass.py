@@ -97,22 +97,23 @@ def test_a_stack_change_alone_is_a_stack_change_naming_the_fields(make):
     assert verdicts(lab.cycle()) == dict.fromkeys(IDS, "stack-change")  # still unlike the baseline
 
 
-def test_a_fingerprint_swap_alone_is_a_new_configuration_once_then_its_own_baseline(make):
-    """A fingerprint names a serving configuration: a new one is reported (not drift) and becomes its
-    baseline; its answers are compared with the other configuration's, the identity fields aside."""
+def test_a_fingerprint_swap_of_the_whole_backend_is_a_replacement_and_a_stack_change(make):
+    """Every answer from a configuration the backend never had baselines under (its one server restarted
+    in another configuration): judged as one configuration, so the move is a stack-change naming the
+    fingerprint, with the reason; compare test_text_basis.py, where one canary's swap is a newcomer."""
+    from canaryd.probe.run import REPLACED
+
     lab = make(scripted(body=change(at=2, fingerprint="fp_other")))
     lab.cycle()
     second = lab.cycle()
-    assert verdicts(second) == dict.fromkeys(IDS, "new-configuration")
-    assert not any(r.comparison.verdict.is_drift for r in second.results)
+    assert verdicts(second) == dict.fromkeys(IDS, "stack-change")
     for r in second.results:
         c = r.comparison
-        assert c.stack_changes == () and c.fingerprint_changed
-        assert c.reasons[0].startswith("new serving configuration ")
-        assert c.reasons[1].startswith("against configuration ") and c.reasons[1].endswith(
-            "would be identical"
-        )
-    assert verdicts(lab.cycle()) == dict.fromkeys(IDS, "identical")  # judged against its own baseline
+        assert [(f.field, f.before, f.after) for f in c.stack_changes] == [
+            ("response.system_fingerprint", "fp_scripted", "fp_other")
+        ]
+        assert c.fingerprint_changed and c.reasons == (REPLACED, "stack changed (1 field)")
+    assert verdicts(lab.cycle()) == dict.fromkeys(IDS, "stack-change")  # until accepted, as before
 
 
 def test_a_hidden_prompt_shows_as_a_stack_change_with_the_prompt_token_reason(make):
