@@ -354,35 +354,39 @@ class Writes(Connected):
 
     def accept_latest(self, backend: str | None = None, canary_id: str | None = None) -> list[Accepted]:
         """Make the latest successful observation of each canary × backend × serving configuration the
-        baseline of that configuration.
+        baseline of that configuration, for the configurations that served the backend's latest run (an
+        intended change accepted on one server does not re-baseline configurations no longer serving).
 
         Across the whole database: in a fleet, the latest observation of any instance. A chained
         canary's id selects every one of its steps (``id:step``).
         """
         accepted = []
         with self._session() as s:
-            q = select(
-                ObservationRow.backend, ObservationRow.canary_id, ObservationRow.id, ObservationRow.stack_hash
-            ).where(
-                ObservationRow.error.is_(None)  # type: ignore[union-attr]
+            o = ObservationRow
+            q = select(o.backend, o.canary_id, o.id, o.stack_hash, o.run_id).where(
+                o.error.is_(None)  # type: ignore[union-attr]
             )
             if backend:
-                q = q.where(ObservationRow.backend == backend)
+                q = q.where(o.backend == backend)
             if canary_id:
                 q = q.where(
-                    (ObservationRow.canary_id == canary_id)
-                    | ObservationRow.canary_id.startswith(f"{canary_id}:", autoescape=True)  # type: ignore[attr-defined]
+                    (o.canary_id == canary_id) | o.canary_id.startswith(f"{canary_id}:", autoescape=True)  # type: ignore[attr-defined]
                 )
             latest: dict[tuple[str, str, str], int] = {}
+            last_run: dict[str, int] = {}
+            serving: dict[tuple[str, int], set[str]] = {}
             configurations: dict[str | None, str] = {None: ""}
-            for b, c, oid, h in s.exec(q.order_by(ObservationRow.id)):  # type: ignore[arg-type]
+            for b, c, oid, h, run in s.exec(q.order_by(o.id)):  # type: ignore[arg-type]
                 if h not in configurations:
                     stack = s.get(StackRow, h)
                     configurations[h] = configuration_of(stack.fields if stack else {})
                 latest[(b, c, configurations[h])] = oid
+                last_run[b] = max(run, last_run.get(b, run))
+                serving.setdefault((b, run), set()).add(configurations[h])
             for (b, c, k), oid in sorted(latest.items()):
-                self._set_baseline(s, b, c, k, oid, "accepted")
-                accepted.append(Accepted(b, c, oid, k))
+                if k in serving[(b, last_run[b])]:
+                    self._set_baseline(s, b, c, k, oid, "accepted")
+                    accepted.append(Accepted(b, c, oid, k))
             s.commit()
         return accepted
 

@@ -337,3 +337,19 @@ def test_a_configuration_too_rare_in_the_calibration_probes_gets_no_model_and_sa
     )
     assert store.calibration("b", "c0", common) is not None and store.calibration("b", "c0", rare) is None
     store.close()
+
+
+def test_accept_rebaselines_the_configurations_that_served_the_latest_run(make):
+    lab = make(scripted(body=change(at=2, fingerprint="fp_bf16", logprob_shift=-0.1)))
+    lab.cycle()
+    assert set(verdicts(lab.cycle()).values()) == {"logprob-drift"}  # the only server replaced: drift
+    accepted = lab.store.accept_latest("fake")
+    new = configuration_of({"response.system_fingerprint": "fp_bf16"})
+    assert sorted(a.canary_id for a in accepted) == sorted(IDS) and {a.configuration for a in accepted} == {
+        new
+    }
+    assert verdicts(lab.cycle()) == dict.fromkeys(IDS, "identical")
+    fleet_lab = make(fleet(fleet_pick="round-robin", name="pool"))  # the same folder: another backend
+    for _ in range(3):
+        fleet_lab.cycle("pool")
+    assert len({a.configuration for a in fleet_lab.store.accept_latest("pool")}) == 2
