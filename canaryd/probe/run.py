@@ -226,8 +226,11 @@ def _replacement(
     out = []
     for canary, observations, per, again in zip(canaries, sent, judged, new, strict=True):
         if again:
-            per = shape_of(canary).judge(_Pooled(reads), config.compare, canary, observations)
-            per = [replace(j, comparison=_noted(j.comparison, REPLACED)) for j in per]
+            try:
+                pooled = shape_of(canary).judge(_Pooled(reads), config.compare, canary, observations)
+                per = [replace(j, comparison=_noted(j.comparison, REPLACED)) for j in pooled]
+            except Exception:  # a judging bug: the canary keeps its first judgement
+                bound.exception("judge_failed", canary=canary.id)
         out.append(per)
     return out
 
