@@ -112,6 +112,10 @@ class Settings(BackendSettings):
     # count lives in the process, from 0).
     cycle_file: Path | None = None
 
+    @property
+    def scores(self) -> bool:
+        return True  # a forced canary or a reference check: see `Prober._scored`
+
 
 def _unit(*parts: object) -> float:
     """A stable number in [0, 1) from its parts (the same in every process, unlike ``hash``)."""
@@ -160,7 +164,8 @@ class Prober:
         return fields
 
     def request(self, canary: Canary) -> dict:
-        return wire.request_body(self.cfg.model, canary)
+        body = wire.request_body(self.cfg.model, canary)
+        return body if canary.continuation is None else {**body, "continuation": canary.continuation}
 
     def request_hash(self, canary: Canary) -> str:
         return wire.request_hash(self.request(canary))
@@ -185,6 +190,8 @@ class Prober:
                 if change.error is ErrorKind.RATE_LIMITED:
                     obs.headers = {"retry-after": "0"}
                 return obs
+        if canary.continuation is not None:
+            return self._scored(canary, active, obs)
         ignored = {*self.cfg.ignore, *(p for c in active for p in c.ignore)}
         calls = self._calls(canary, active)
         text = wire.with_calls(None, calls) if calls else self._answer(canary, active, draw)
@@ -212,6 +219,33 @@ class Prober:
             obs.tokens, obs.has_logprobs = [], False
             if self.cfg.require_logprobs:
                 obs.error_kind, obs.error = ErrorKind.NO_LOGPROBS, "response carries no logprobs"
+        return obs
+
+    # -- scoring: teacher forcing a given continuation (forced canaries, reference checks) ------------
+    def _scored(self, canary: Canary, active: list[Change], obs: Observation) -> Observation:
+        """The continuation scored character by character. The model's own answer (what it would say: its
+        script) ranks first at each position while the continuation follows it; a character off that
+        answer (or after the two parted) gets a lower logprob, by a stable penalty of 1 to 4 nats."""
+        assert canary.continuation is not None
+        own = self._answer(canary.model_copy(update={"continuation": None}), active, 0)
+        shift = sum(c.logprob_shift for c in active)
+        noise = next((c.noise for c in reversed(active) if c.noise is not None), self.cfg.noise)
+        rng = random.Random(f"{self.cfg.seed}:{canary.id}:forced:{self._draws}")
+        k, tokens, on_track = canary.decoding.top_logprobs, [], True
+        for i, ch in enumerate(canary.continuation):
+            on_track = on_track and i < len(own) and own[i] == ch
+            top = self._token(canary.id, i, own[i] if i < len(own) else ch, k, shift, noise, rng)
+            if on_track:
+                tokens.append(top)
+                continue
+            lp = min(0.0, top.logprob - 1.0 - 3.0 * _unit(canary.id, i, ch, "off"))
+            tokens.append(TokenLogprob(ch, lp, ord(ch), tuple(ch.encode()), top.top))
+        obs.tokens, obs.text, obs.finish_reason = tokens, canary.continuation, "forced"
+        prompt = canary.prompt or "".join(m.content for m in canary.messages or ())
+        obs.prompt_tokens, obs.completion_tokens = len(prompt), len(tokens)
+        fingerprint = next((c.fingerprint for c in reversed(active) if c.fingerprint), self.cfg.fingerprint)
+        obs.system_fingerprint, obs.response_model = fingerprint, self.cfg.model
+        obs.stack = {"response.model": self.cfg.model, "response.system_fingerprint": fingerprint}
         return obs
 
     def _calls(self, canary: Canary, active: list[Change]) -> tuple[ToolCall, ...] | None:

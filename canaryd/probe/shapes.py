@@ -261,10 +261,21 @@ class Conformance(Plain):
         return {obs.canary_id: [r[i] for r in runs] for i, obs in enumerate(runs[0])}
 
 
-PLAIN, CHAINED, SAMPLED, CONFORMANCE = Plain(), Chained(), Sampled(), Conformance()
+class Forced(Plain):
+    """A canary with a fixed ``continuation``, scored token by token by a kind that can teacher-force
+    (`canaryd.backends.base.Scorer`): the kind's attempt scores instead of sampling, so sending, retries,
+    vetting, the census and calibration are the plain shape's. Its tokens never diverge from the
+    baseline's; only logprobs and top-k can move, and no argmax flip can hide or fake a change."""
+
+    name = "forced"
+
+
+PLAIN, CHAINED, SAMPLED, CONFORMANCE, FORCED = Plain(), Chained(), Sampled(), Conformance(), Forced()
 
 
 def shape_of(canary: Canary) -> Plain:
+    if canary.continuation is not None:
+        return FORCED
     if canary.conform is not None:
         return CONFORMANCE
     if canary.steps is not None:
