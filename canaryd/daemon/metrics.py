@@ -287,6 +287,14 @@ class Metrics:
             "1 once the backend's calibrated evidence says it changed, until recalibrated or accepted.",
             b,
         )
+        self.reference_divergence = self._new(
+            per_pass,
+            Gauge,
+            "canaryd_backend_reference_divergence_nats",
+            "Largest excess divergence (nats per token) the backend's reference found in its answers in the "
+            "last pass, over the reference's own answers (only for a backend with a reference).",
+            b,
+        )
         self.text_basis = self._new(
             per_pass,
             Gauge,
@@ -495,6 +503,9 @@ class Metrics:
             state = run.detector or DetectorState()
             self.e_cusum.labels(b).set(state.statistic)
             self.alarm.labels(b).set(1 if state.alarm else 0)
+            excess = run.reference.max_excess_nats if run.reference is not None else None
+            if excess is not None:
+                self.reference_divergence.labels(b).set(excess)
         self._record_stack(run, now)
 
     def _record_stack(self, run: BackendRun, now: float) -> None:

@@ -1,0 +1,177 @@
+"""The reference step of a probe pass: a backend with ``reference = "<name>"`` has its answers re-scored
+by that backend (which must be able to score: `canaryd.backends.base.Scorer`).
+
+For each plain canary the provider answered, the reference (1) scores the provider's text on the canary's
+prompt by teacher forcing, (2) answers the canary itself, greedily, and scores its own answer the same way,
+and (3) does (2) once more: the statistic is how much further (1) is from the reference's choices than
+(2), and the gap between (2) and (3) is the reference's own noise, the null it is tested against.
+Everything goes through the reference's resilience and vetting like any probe. `canaryd.judge.reference`
+turns the divergences into a verdict; `apply` writes it into the comparisons once the cycle's other
+verdicts are settled. A reference that cannot be reached or cannot
+score makes the check an error reason (never an ``identical``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+
+from canaryd.backends import Backend, make_backend
+from canaryd.canaries import Canary
+from canaryd.config import Config
+from canaryd.judge.compare import Comparison, Verdict
+from canaryd.judge.reference import Divergence, ReferenceDecision, decide, divergence, p_value
+from canaryd.observation import Observation
+from canaryd.probe import vet
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    """One canary's reference check, or why it could not be made.
+
+    ``divergence``: the provider's answer as the reference scores it; ``own``: the reference's own greedy
+    answer, scored the same way (text in, text re-tokenized: whatever that loses, both lose); ``repeat``:
+    the reference's own answer again, which shows its noise (exactly ``own`` on a deterministic engine)."""
+
+    divergence: Divergence | None = None
+    own: Divergence | None = None
+    repeat: Divergence | None = None
+    error: str | None = None
+
+    @property
+    def excess(self) -> float | None:
+        """The statistic: how much further the provider's answer is from the reference's choices than the
+        reference's own answer (nats per token); 0 for an identical answer."""
+        if self.divergence is None or self.own is None:
+            return None
+        return self.divergence.mean_nats - self.own.mean_nats
+
+    @property
+    def noise(self) -> float | None:
+        """The reference's own excess between two answers: one draw of the statistic's null."""
+        if self.own is None or self.repeat is None:
+            return None
+        return abs(self.repeat.mean_nats - self.own.mean_nats)
+
+
+@dataclass(frozen=True, slots=True)
+class Cycle:
+    """A backend cycle's reference checks (by canary id) and their decision."""
+
+    reference: str
+    checks: dict[str, Check]
+    p_values: dict[str, float]
+    decision: ReferenceDecision
+
+    @property
+    def max_excess_nats(self) -> float | None:
+        """The largest excess divergence this cycle (the backend's metric), None when none was scored."""
+        values = [c.excess for c in self.checks.values() if c.excess is not None]
+        return max(values) if values else None
+
+
+def checkable(canary: Canary, obs: Observation) -> bool:
+    """A plain canary (one generated answer, no tool call) the provider answered with some text."""
+    plain = canary.continuation is None and canary.steps is None and canary.conform is None
+    return plain and canary.decoding.samples == 1 and obs.ok and bool(obs.text) and obs.tool_calls is None
+
+
+def _forced(canary: Canary, text: str) -> Canary:
+    decoding = canary.decoding.model_copy(update={"top_logprobs": max(1, canary.decoding.top_logprobs)})
+    return canary.model_copy(update={"continuation": text, "decoding": decoding})
+
+
+def _failed(obs: Observation, what: str) -> str:
+    return f"{what}: {obs.error_kind}: {obs.error}"
+
+
+def _own(reference: Backend, canary: Canary) -> Divergence | str:
+    """The reference's own greedy answer, scored as a provider's would be (or why it could not be)."""
+    own = vet.probe(reference, canary)
+    if not own.ok or not own.text:
+        return _failed(own, "the reference's own answer") if not own.ok else "the reference answered nothing"
+    scored = vet.probe(reference, _forced(canary, own.text))
+    return divergence(scored.tokens) if scored.ok else _failed(scored, "scoring its own answer")
+
+
+def check_one(reference: Backend, canary: Canary, obs: Observation) -> Check:
+    """Score the provider's answer and, twice, the reference's own on the reference; never raises."""
+    try:
+        scored = vet.probe(reference, _forced(canary, obs.text or ""))
+        if not scored.ok:
+            return Check(error=_failed(scored, "scoring the answer"))
+        own, repeat = _own(reference, canary), _own(reference, canary)
+        for d in (own, repeat):
+            if isinstance(d, str):
+                return Check(error=d)
+        provider = obs.tokens if obs.has_logprobs else ()
+        return Check(divergence(scored.tokens, provider), own, repeat)  # type: ignore[arg-type]
+    except Exception as e:  # a bug costs this canary's check, reported as such
+        return Check(error=f"internal: {e.__class__.__name__}: {str(e)[:200]}")
+
+
+def run_checks(
+    config: Config, name: str, canaries: Sequence[Canary], sent: Sequence[list[Observation]]
+) -> Cycle | None:
+    """The reference checks of backend ``name``'s cycle (None when it names no reference)."""
+    ref_name = config.backend(name).reference
+    if ref_name is None:
+        return None
+    todo = [(c, obs[0]) for c, obs in zip(canaries, sent, strict=True) if obs and checkable(c, obs[0])]
+    reference = make_backend(config.backend(ref_name))
+    try:
+        with ThreadPoolExecutor(reference.concurrency, thread_name_prefix=f"reference-{name}") as ex:
+            checks = list(ex.map(lambda item: check_one(reference, *item), todo))
+    finally:
+        reference.close()
+    by_id = {c.id: check for (c, _), check in zip(todo, checks, strict=True)}
+    null = [c.noise for c in by_id.values() if c.noise is not None]
+    tolerance = config.compare.logprob_tolerance
+    p = {cid: p_value(c.excess, null, tolerance) for cid, c in by_id.items() if c.excess is not None}
+    return Cycle(ref_name, by_id, p, decide(p, config.compare.alpha))
+
+
+def evidence(cycle: Cycle, canary_id: str) -> dict:
+    """What a comparison carries of its canary's reference check (``check --json``, the store)."""
+    check = cycle.checks[canary_id]
+    return {
+        "backend": cycle.reference,
+        "divergence": None if check.divergence is None else check.divergence.as_dict(),
+        "own_mean_nats": None if check.own is None else check.own.mean_nats,
+        "excess_nats": check.excess,
+        "noise_nats": check.noise,
+        "p_value": cycle.p_values.get(canary_id),
+        "cycle_p_value": cycle.decision.p_value,
+        "mismatch": canary_id in cycle.decision.out,
+        "error": check.error,
+    }
+
+
+def apply(cycle: Cycle | None, canary_id: str, comparison: Comparison) -> Comparison:
+    """``comparison`` with its canary's reference check: ``reference-mismatch`` when the canary is out,
+    an ``error`` (instead of a verdict that says nothing moved) when the check could not be made."""
+    if cycle is None or canary_id not in cycle.checks:
+        return comparison
+    check, verdict, reasons = cycle.checks[canary_id], comparison.verdict, comparison.reasons
+    if check.error is not None:
+        reasons = (*reasons, f"reference check on {cycle.reference!r} failed: {check.error}")
+        if verdict in (Verdict.IDENTICAL, Verdict.NOISE):
+            verdict = Verdict.ERROR
+    elif canary_id in cycle.decision.out:
+        d = check.divergence
+        assert d is not None and check.own is not None
+        reasons = (
+            *reasons,
+            f"reference {cycle.reference!r} scores this answer {d.mean_nats:.4g} nats/token off its own "
+            f"choices (max {d.max_nats:.4g}, {d.tokens} tokens; its own answer {check.own.mean_nats:.4g}; "
+            f"p = {cycle.p_values[canary_id]:.3g})",
+        )
+        verdict = Verdict.most_severe([verdict, Verdict.REFERENCE_MISMATCH])
+    return replace(comparison, verdict=verdict, reasons=reasons, reference=evidence(cycle, canary_id))
+
+
+def failed(reference: str, canary_ids: Sequence[str], error: str) -> Cycle:
+    """A cycle whose reference step itself failed: every checkable canary carries the error."""
+    checks = {cid: Check(error=error) for cid in canary_ids}
+    return Cycle(reference, checks, {}, decide({}, 1.0))
