@@ -26,6 +26,9 @@ canaries, or by canary id) reports hidden reasoning as OpenAI-style usage does (
 ``reasoning_tokens`` replaces it (a provider silently lowering reasoning effort). ``reasoning_effort``
 maps a request's effort to its reasoning tokens (``{ low = 100, high = 400 }``).
 
+The kind can score (teacher forcing): a forced canary or a reference check gets the given continuation
+back character by character, ranked against what the script would have answered (`Prober._scored`).
+
 ``tool_calls`` (by canary id) answers a canary that offers tools with that call; a change's ``tool_call``
 replaces it (``no_tool_call = true``: answers with text instead). ``ignore`` lists request parameters the
 server silently ignores (``max_tokens``: the answer is never cut; ``reasoning_effort``: the effort's

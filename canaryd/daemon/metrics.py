@@ -291,8 +291,8 @@ class Metrics:
             per_pass,
             Gauge,
             "canaryd_backend_reference_divergence_nats",
-            "Largest excess divergence (nats per token) the backend's reference found in its answers in the "
-            "last pass, over the reference's own answers (only for a backend with a reference).",
+            "Largest gap (nats) its reference puts between the backend's answer and its own where they part, "
+            "over the last pass: 0 while both answer alike (only for a backend with a reference).",
             b,
         )
         self.text_basis = self._new(
@@ -503,9 +503,9 @@ class Metrics:
             state = run.detector or DetectorState()
             self.e_cusum.labels(b).set(state.statistic)
             self.alarm.labels(b).set(1 if state.alarm else 0)
-            excess = run.reference.max_excess_nats if run.reference is not None else None
-            if excess is not None:
-                self.reference_divergence.labels(b).set(excess)
+            parting = run.reference.max_parting_nats if run.reference is not None else None
+            if parting is not None:
+                self.reference_divergence.labels(b).set(parting)
         self._record_stack(run, now)
 
     def _record_stack(self, run: BackendRun, now: float) -> None:

@@ -9,14 +9,18 @@ which is 0 wherever the provider chose what the reference would have chosen. Dif
 8-bit round trip, another checkpoint) pick tokens the reference ranks lower, and d grows with every such
 token; identical weights on an identical engine give exactly the reference's own d.
 
-A canary's statistic is the provider's excess: its mean d over the answer minus the mean d of the
-reference's own greedy answer scored the same way (the gap between the reference's decode and prefill
-numerics, and whatever re-tokenizing text loses, cancel out: an identical answer has excess 0). The null
-distribution is the reference's own noise: the same excess between two of its own answers. The excess is
-tested one-sided against that null with a conformal p-value; the cycle combines its canaries with a
-Bonferroni bound, so the chance that an honest provider is called a mismatch in a cycle is at most
-``alpha`` whatever the canaries' dependence (`decide`). When the null never exceeded ``tolerance`` (a
-deterministic engine: vLLM CPU's is exactly 0) the test is exact: any statistic above ``tolerance`` is out.
+A canary's statistic compares the provider's answer with the reference's own greedy answer, both scored
+on the reference (text in, re-tokenized: whatever that loses, both lose): 0 when they are the same tokens,
+else how far apart the reference ranks the two tokens where the answers part (`parting`: the same prefix,
+so the same distribution; where the reference's own token is its top-1 this is the provider token's d).
+Flips between near-ties cost little (a provider on other hardware), flips to tokens the reference finds
+unlikely cost much (other weights). The mean d over the provider's answer is reported beside it, as the
+Token-DiFR figure. The null distribution is the reference's own noise: the same statistic between two of
+its own answers. The statistic is tested one-sided against that null with a conformal p-value; the cycle
+combines its canaries with a Bonferroni bound, so the chance that an honest provider is called a mismatch
+in a cycle is at most ``alpha`` whatever the canaries' dependence (`decide`). When the null never exceeded
+``tolerance`` (a deterministic engine: vLLM CPU's is exactly 0) the test is exact: any statistic above
+``tolerance`` is out.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from canaryd.observation import TokenLogprob
 class Divergence:
     """How far the reference finds a provider's answer from its own choices, in nats per token."""
 
-    mean_nats: float  # mean d_t over the scored tokens: the canary's statistic
+    mean_nats: float  # mean d_t over the scored tokens (the Token-DiFR figure)
     max_nats: float
     tokens: int  # tokens scored (the reference's tokenization of the provider's text)
     # mean |logprob_provider − logprob_ref| over the tokens, where the provider returned logprobs for the
@@ -56,11 +60,7 @@ def token_divergence(t: TokenLogprob) -> float:
 
 
 def _same_tokens(a: Sequence[TokenLogprob], b: Sequence[TokenLogprob]) -> bool:
-    if len(a) != len(b):
-        return False
-    if all(x.token_id is not None and y.token_id is not None for x, y in zip(a, b, strict=True)):
-        return all(x.token_id == y.token_id for x, y in zip(a, b, strict=True))
-    return all(x.token == y.token for x, y in zip(a, b, strict=True))
+    return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
 
 
 def divergence(scored: Sequence[TokenLogprob], provider: Sequence[TokenLogprob] = ()) -> Divergence:
@@ -77,6 +77,26 @@ def divergence(scored: Sequence[TokenLogprob], provider: Sequence[TokenLogprob] 
         else:
             retokenized = True
     return Divergence(sum(d) / len(d), max(d), len(d), gap, retokenized)
+
+
+def _same(a: TokenLogprob, b: TokenLogprob) -> bool:
+    if a.token_id is not None and b.token_id is not None:
+        return a.token_id == b.token_id
+    return a.token == b.token
+
+
+def parting(provider: Sequence[TokenLogprob], own: Sequence[TokenLogprob]) -> float:
+    """How far apart the reference ranks two scored answers where they part, in nats: 0 when they are the
+    same tokens; else |logprob(provider token) − logprob(own token)| at the first position they differ
+    (scored on the same prefix), or, where one answer ended and the other went on, the divergence d of
+    the token that went on."""
+    for a, b in zip(provider, own, strict=False):
+        if not _same(a, b):
+            return abs(a.logprob - b.logprob)
+    if len(provider) == len(own):
+        return 0.0
+    longer = provider if len(provider) > len(own) else own
+    return token_divergence(longer[min(len(provider), len(own))])
 
 
 def p_value(statistic: float, null: Sequence[float], tolerance: float = 0.0) -> float:

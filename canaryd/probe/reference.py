@@ -3,8 +3,8 @@ by that backend (which must be able to score: `canaryd.backends.base.Scorer`).
 
 For each plain canary the provider answered, the reference (1) scores the provider's text on the canary's
 prompt by teacher forcing, (2) answers the canary itself, greedily, and scores its own answer the same way,
-and (3) does (2) once more: the statistic is how much further (1) is from the reference's choices than
-(2), and the gap between (2) and (3) is the reference's own noise, the null it is tested against.
+and (3) does (2) once more: the statistic is how far apart the reference ranks (1) and (2) where they part,
+and the same between (2) and (3) is the reference's own noise, the null it is tested against.
 Everything goes through the reference's resilience and vetting like any probe. `canaryd.judge.reference`
 turns the divergences into a verdict; `apply` writes it into the comparisons once the cycle's other
 verdicts are settled. A reference that cannot be reached or cannot
@@ -21,8 +21,8 @@ from canaryd.backends import Backend, make_backend
 from canaryd.canaries import Canary
 from canaryd.config import Config
 from canaryd.judge.compare import Comparison, Verdict
-from canaryd.judge.reference import Divergence, ReferenceDecision, decide, divergence, p_value
-from canaryd.observation import Observation
+from canaryd.judge.reference import Divergence, ReferenceDecision, decide, divergence, p_value, parting
+from canaryd.observation import Observation, TokenLogprob
 from canaryd.probe import vet
 
 
@@ -31,28 +31,15 @@ class Check:
     """One canary's reference check, or why it could not be made.
 
     ``divergence``: the provider's answer as the reference scores it; ``own``: the reference's own greedy
-    answer, scored the same way (text in, text re-tokenized: whatever that loses, both lose); ``repeat``:
-    the reference's own answer again, which shows its noise (exactly ``own`` on a deterministic engine)."""
+    answer, scored the same way (text in, text re-tokenized: whatever that loses, both lose); ``parting``:
+    the statistic, how far apart the reference ranks the two where they part (0: the same tokens);
+    ``noise``: the same between two of the reference's own answers, one draw of the statistic's null."""
 
     divergence: Divergence | None = None
     own: Divergence | None = None
-    repeat: Divergence | None = None
+    parting: float | None = None
+    noise: float | None = None
     error: str | None = None
-
-    @property
-    def excess(self) -> float | None:
-        """The statistic: how much further the provider's answer is from the reference's choices than the
-        reference's own answer (nats per token); 0 for an identical answer."""
-        if self.divergence is None or self.own is None:
-            return None
-        return self.divergence.mean_nats - self.own.mean_nats
-
-    @property
-    def noise(self) -> float | None:
-        """The reference's own excess between two answers: one draw of the statistic's null."""
-        if self.own is None or self.repeat is None:
-            return None
-        return abs(self.repeat.mean_nats - self.own.mean_nats)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,9 +52,9 @@ class Cycle:
     decision: ReferenceDecision
 
     @property
-    def max_excess_nats(self) -> float | None:
-        """The largest excess divergence this cycle (the backend's metric), None when none was scored."""
-        values = [c.excess for c in self.checks.values() if c.excess is not None]
+    def max_parting_nats(self) -> float | None:
+        """The largest parting this cycle (the backend's metric), None when nothing was scored."""
+        values = [c.parting for c in self.checks.values() if c.parting is not None]
         return max(values) if values else None
 
 
@@ -86,13 +73,13 @@ def _failed(obs: Observation, what: str) -> str:
     return f"{what}: {obs.error_kind}: {obs.error}"
 
 
-def _own(reference: Backend, canary: Canary) -> Divergence | str:
+def _own(reference: Backend, canary: Canary) -> list[TokenLogprob] | str:
     """The reference's own greedy answer, scored as a provider's would be (or why it could not be)."""
     own = vet.probe(reference, canary)
     if not own.ok or not own.text:
         return _failed(own, "the reference's own answer") if not own.ok else "the reference answered nothing"
     scored = vet.probe(reference, _forced(canary, own.text))
-    return divergence(scored.tokens) if scored.ok else _failed(scored, "scoring its own answer")
+    return scored.tokens if scored.ok else _failed(scored, "scoring its own answer")
 
 
 def check_one(reference: Backend, canary: Canary, obs: Observation) -> Check:
@@ -105,8 +92,14 @@ def check_one(reference: Backend, canary: Canary, obs: Observation) -> Check:
         for d in (own, repeat):
             if isinstance(d, str):
                 return Check(error=d)
+        assert not isinstance(own, str) and not isinstance(repeat, str)
         provider = obs.tokens if obs.has_logprobs else ()
-        return Check(divergence(scored.tokens, provider), own, repeat)  # type: ignore[arg-type]
+        return Check(
+            divergence(scored.tokens, provider),
+            divergence(own),
+            parting(scored.tokens, own),
+            parting(own, repeat),
+        )
     except Exception as e:  # a bug costs this canary's check, reported as such
         return Check(error=f"internal: {e.__class__.__name__}: {str(e)[:200]}")
 
@@ -128,7 +121,7 @@ def run_checks(
     by_id = {c.id: check for (c, _), check in zip(todo, checks, strict=True)}
     null = [c.noise for c in by_id.values() if c.noise is not None]
     tolerance = config.compare.logprob_tolerance
-    p = {cid: p_value(c.excess, null, tolerance) for cid, c in by_id.items() if c.excess is not None}
+    p = {cid: p_value(c.parting, null, tolerance) for cid, c in by_id.items() if c.parting is not None}
     return Cycle(ref_name, by_id, p, decide(p, config.compare.alpha))
 
 
@@ -139,7 +132,7 @@ def evidence(cycle: Cycle, canary_id: str) -> dict:
         "backend": cycle.reference,
         "divergence": None if check.divergence is None else check.divergence.as_dict(),
         "own_mean_nats": None if check.own is None else check.own.mean_nats,
-        "excess_nats": check.excess,
+        "parting_nats": check.parting,
         "noise_nats": check.noise,
         "p_value": cycle.p_values.get(canary_id),
         "cycle_p_value": cycle.decision.p_value,
@@ -163,9 +156,10 @@ def apply(cycle: Cycle | None, canary_id: str, comparison: Comparison) -> Compar
         assert d is not None and check.own is not None
         reasons = (
             *reasons,
-            f"reference {cycle.reference!r} scores this answer {d.mean_nats:.4g} nats/token off its own "
-            f"choices (max {d.max_nats:.4g}, {d.tokens} tokens; its own answer {check.own.mean_nats:.4g}; "
-            f"p = {cycle.p_values[canary_id]:.3g})",
+            f"reference {cycle.reference!r} would not answer this: where the answers part it ranks them "
+            f"{check.parting:.4g} nats apart (its own two answers: {check.noise:.4g}); the answer scores "
+            f"{d.mean_nats:.4g} nats/token off its choices (max {d.max_nats:.4g}, {d.tokens} tokens; its own "
+            f"answer {check.own.mean_nats:.4g}); p = {cycle.p_values[canary_id]:.3g}",
         )
         verdict = Verdict.most_severe([verdict, Verdict.REFERENCE_MISMATCH])
     return replace(comparison, verdict=verdict, reasons=reasons, reference=evidence(cycle, canary_id))

@@ -7,6 +7,8 @@
   every step's verdict, names the first step that diverged (`chain.mark_divergence`);
 * **sampled**: n draws per cycle, judged as a set against the baseline run's n draws by two-sample tests
   (`canaryd.judge.sampled`); it needs no calibration;
+* **forced**: a fixed ``continuation`` scored token by token by a kind that can teacher-force; sent,
+  judged and calibrated as a plain canary (only its logprobs can move);
 * **conformance**: two requests differing in one parameter (`canaryd.conform`), ``id:low`` and ``id:high``,
   each compared with its own baseline; then the pair is judged (`canaryd.judge.conformance.judge_pair`) and
   a side that shows the parameter was not honoured becomes a ``nonconformant`` error.

@@ -84,6 +84,20 @@ def test_a_forced_canary_scores_the_same_tokens_even_when_the_model_would_answer
     assert [t.token for t in by_id(run)["forced-chat"].observation.tokens] == list("Paris")
 
 
+def test_forced_canaries_are_calibrated_like_plain_ones_and_noise_is_within_noise(make):
+    from canaryd.probe.calibrate import calibrate
+
+    lab = make(scripted(answers=ANSWERS, noise=0.01))
+    lab.cycle()
+    saved = calibrate(lab.backend(), lab.canaries(), lab.store, k=8, batch_sizes=[1, 2])
+    assert [(c.canary_id, c.problem, c.errors) for c in saved] == [
+        ("forced-chat", None, 0),
+        ("forced-raw", None, 0),
+    ]
+    assert {c.model.regime.value for c in saved} == {"continuous"}
+    assert set(verdicts(lab.cycle()).values()) <= {"within-noise", "identical"}
+
+
 def test_a_failed_scoring_is_an_error_never_identical(make):
     lab = make(scripted(retries=0, body=change(at=2, error="http_5xx")))
     lab.cycle()

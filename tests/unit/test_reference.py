@@ -1,7 +1,7 @@
 """Reference checks: a backend's answers re-scored by a reference serving the weights it claims.
 
 The statistics (`canaryd.judge.reference`) on synthetic data with known answers: an honest provider (its
-excess drawn from the reference's own noise) is called a mismatch in at most ``alpha`` of many simulated
+statistic drawn from the reference's own noise) is called a mismatch in at most ``alpha`` of many simulated
 cycles, a shifted one nearly always. The wiring through the scripted kind (which scores by teacher forcing:
 `scripted.Prober._scored`), the real registry, probe pass, store and CLI: the same answers are never a
 mismatch, another answer is one within the cycle, and a reference that cannot answer is an error reason,
@@ -15,7 +15,14 @@ import random
 import pytest
 
 from canaryd.errors import InputError
-from canaryd.judge.reference import ReferenceDecision, decide, divergence, p_value, token_divergence
+from canaryd.judge.reference import (
+    ReferenceDecision,
+    decide,
+    divergence,
+    p_value,
+    parting,
+    token_divergence,
+)
 from canaryd.observation import TokenLogprob
 from tests.unit.scripted_lab import PLAIN, ScriptedLab, by_id, change, scripted, verdicts
 
@@ -43,7 +50,18 @@ def test_provider_logprobs_are_compared_where_the_tokenizations_agree_and_flagge
     assert other.logprob_gap is None and other.retokenized
 
 
-def test_exact_regime_any_excess_beyond_tolerance_is_out_and_none_within_it():
+def test_parting_is_zero_for_the_same_tokens_and_the_gap_where_two_answers_part():
+    own = [tok(-0.1, -0.1, tid=1), tok(-0.2, -0.2, tid=2), tok(-0.3, -0.3, tid=3)]
+    assert parting(own, own) == 0.0
+    other = [tok(-0.1, -0.1, tid=1), tok(-2.7, -0.2, tid=9), tok(-0.1, -0.1, tid=4)]
+    assert parting(other, own) == pytest.approx(2.5)  # only where they part; what follows is not compared
+    # one ended where the other went on: the divergence of the token that went on
+    assert parting(own[:2], own) == 0.0
+    longer = [*own[:2], tok(-1.5, -0.5, tid=5)]
+    assert parting(own[:2], longer) == pytest.approx(1.0)
+
+
+def test_exact_regime_any_statistic_beyond_tolerance_is_out_and_none_within_it():
     assert p_value(1e-6, [0.0] * 5) == 0.0
     assert p_value(0.0, [0.0] * 5) == 1.0
     assert p_value(0.01, [0.0, 0.02], tolerance=0.05) == 1.0  # within tolerance
@@ -66,7 +84,7 @@ def test_decide_is_a_bonferroni_bound_over_the_cycles_canaries():
 
 
 def _cycle(rng: random.Random, n_null: int, m: int, shift: float, alpha: float) -> bool:
-    """One simulated cycle: the reference's own noise (n_null draws) and m canaries' excess."""
+    """One simulated cycle: the reference's own noise (n_null draws) and m canaries' statistics."""
     null = [rng.expovariate(20.0) for _ in range(n_null)]
     stats = {f"c{i}": rng.expovariate(20.0) + shift for i in range(m)}
     return decide({c: p_value(s, null) for c, s in stats.items()}, alpha).mismatch
@@ -111,9 +129,9 @@ def test_same_weights_are_never_a_mismatch_and_the_evidence_rides_in_the_compari
     for _ in range(10):
         run = lab.cycle()
         assert not any(v == "reference-mismatch" for v in verdicts(run).values())
-        assert run.reference is not None and run.reference.max_excess_nats == 0.0
+        assert run.reference is not None and run.reference.max_parting_nats == 0.0
     ev = by_id(run)["add"].comparison.reference
-    assert ev["backend"] == "ref" and ev["excess_nats"] == 0.0 and not ev["mismatch"]
+    assert ev["backend"] == "ref" and ev["parting_nats"] == 0.0 and not ev["mismatch"]
     assert ev["divergence"]["tokens"] == 2 and ev["divergence"]["logprob_gap"] == 0.0
     assert set(verdicts(run).values()) == {"identical"}
 
@@ -124,8 +142,8 @@ def test_another_answer_is_a_reference_mismatch_in_the_first_cycle_with_its_evid
     assert verdicts(run)["add"] == "reference-mismatch"
     assert verdicts(run)["capital"] == "baseline"
     c = by_id(run)["add"].comparison
-    assert c.reference["mismatch"] and c.reference["excess_nats"] > 0.5 and c.reference["p_value"] == 0.0
-    assert any("reference 'ref' scores this answer" in r for r in c.reasons)
+    assert c.reference["mismatch"] and c.reference["parting_nats"] > 0.5 and c.reference["p_value"] == 0.0
+    assert any("reference 'ref' would not answer this" in r for r in c.reasons)
     code, out = lab.check_json()
     assert code == 1
     row = next(r for r in out["results"] if r["canary"] == "add" and r["backend"] == "fake")
@@ -181,7 +199,7 @@ def test_a_reference_is_validated_with_a_one_line_error(make, provider, referenc
         make(provider, reference)
 
 
-def test_the_backends_largest_excess_is_its_reference_divergence_metric(make):
+def test_the_backends_largest_parting_is_its_reference_divergence_metric(make):
     from canaryd.daemon.metrics import Metrics
 
     lab = make(scripted(reference="ref", answers={"add": "41"}))
@@ -192,5 +210,5 @@ def test_the_backends_largest_excess_is_its_reference_divergence_metric(make):
     m.publish()
     text = m.exposition()[0].decode()
     value = float(text.split('canaryd_backend_reference_divergence_nats{backend="fake"} ')[1].split()[0])
-    assert value == pytest.approx(run.reference.max_excess_nats) and value > 0.5
+    assert value == pytest.approx(run.reference.max_parting_nats) and value > 0.5
     assert 'canaryd_backend_reference_divergence_nats{backend="ref"}' not in text
