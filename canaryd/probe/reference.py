@@ -74,10 +74,13 @@ def _failed(obs: Observation, what: str) -> str:
 
 
 def _own(reference: Backend, canary: Canary) -> list[TokenLogprob] | str:
-    """The reference's own greedy answer, scored as a provider's would be (or why it could not be)."""
+    """The reference's own greedy answer, scored as a provider's would be (or why it could not be); an
+    empty answer has no tokens (a provider that says something where it says nothing parts from it)."""
     own = vet.probe(reference, canary)
-    if not own.ok or not own.text:
-        return _failed(own, "the reference's own answer") if not own.ok else "the reference answered nothing"
+    if not own.ok:
+        return _failed(own, "the reference's own answer")
+    if not own.text:
+        return []
     scored = vet.probe(reference, _forced(canary, own.text))
     return scored.tokens if scored.ok else _failed(scored, "scoring its own answer")
 
@@ -96,7 +99,7 @@ def check_one(reference: Backend, canary: Canary, obs: Observation) -> Check:
         provider = obs.tokens if obs.has_logprobs else ()
         return Check(
             divergence(scored.tokens, provider),
-            divergence(own),
+            divergence(own) if own else None,
             parting(scored.tokens, own),
             parting(own, repeat),
         )
@@ -153,13 +156,14 @@ def apply(cycle: Cycle | None, canary_id: str, comparison: Comparison) -> Compar
             verdict = Verdict.ERROR
     elif canary_id in cycle.decision.out:
         d = check.divergence
-        assert d is not None and check.own is not None
+        assert d is not None and check.parting is not None and check.noise is not None
+        own = f"{check.own.mean_nats:.4g}" if check.own is not None else "none: it answered nothing"
         reasons = (
             *reasons,
             f"reference {cycle.reference!r} would not answer this: where the answers part it ranks them "
             f"{check.parting:.4g} nats apart (its own two answers: {check.noise:.4g}); the answer scores "
             f"{d.mean_nats:.4g} nats/token off its choices (max {d.max_nats:.4g}, {d.tokens} tokens; its own "
-            f"answer {check.own.mean_nats:.4g}); p = {cycle.p_values[canary_id]:.3g}",
+            f"answer {own}); p = {cycle.p_values[canary_id]:.3g}",
         )
         verdict = Verdict.most_severe([verdict, Verdict.REFERENCE_MISMATCH])
     return replace(comparison, verdict=verdict, reasons=reasons, reference=evidence(cycle, canary_id))

@@ -164,6 +164,13 @@ def test_a_more_severe_verdict_stands_with_the_reference_evidence_beside_it(make
     assert c.verdict.value == "regression" and c.reference["mismatch"]
 
 
+def test_an_answer_where_the_reference_says_nothing_parts_from_it(make):
+    lab = make(scripted(reference="ref"), scripted("ref", answers={"add": ""}))
+    c = by_id(lab.cycle())["add"].comparison
+    assert c.verdict.value == "reference-mismatch" and c.reference["own_mean_nats"] is None
+    assert c.reference["parting_nats"] > 0.5 and c.reference["error"] is None
+
+
 def test_a_provider_without_logprobs_is_checked_all_the_same(make):
     lab = make(scripted(reference="ref", logprobs=False, answers={"add": "41"}))
     run = lab.cycle()
