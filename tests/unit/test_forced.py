@@ -194,3 +194,10 @@ def test_the_scoring_request_names_continuation_and_prompt_logprobs_and_hashes_s
     assert scoring.score_hash("m", c) == scoring.score_hash("m", c.model_copy())
     assert scoring.score_hash("m", c) != scoring.score_hash("m", c.model_copy(update={"continuation": "!"}))
     assert scoring.tokenize_continuation("m", c)["add_special_tokens"] is False
+
+
+def test_the_shipped_forced_suite_loads_and_is_all_forced():
+    from canaryd.canaries import load_suite
+
+    suite = load_suite(Path(__file__).parent.parent.parent / "canaries" / "forced.toml")
+    assert suite.canaries and all(shape_of(c) is FORCED for c in suite.canaries)
