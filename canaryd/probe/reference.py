@@ -115,6 +115,8 @@ def run_checks(
     if ref_name is None:
         return None
     todo = [(c, obs[0]) for c, obs in zip(canaries, sent, strict=True) if obs and checkable(c, obs[0])]
+    if not todo:  # nothing answered that could be checked: the reference is not called
+        return Cycle(ref_name, {}, {}, decide({}, config.compare.alpha))
     reference = make_backend(config.backend(ref_name))
     try:
         with ThreadPoolExecutor(reference.concurrency, thread_name_prefix=f"reference-{name}") as ex:

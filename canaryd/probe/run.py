@@ -176,8 +176,8 @@ def probe_backend(backend: Backend, canaries: Sequence[Canary], store: Store, co
     # the canaries, and that half-stack (no response.* fields) would count as a change, its return as another.
     answered = [r.observation.stack for r in results if r.observation.ok]
     run_stack = merge_stacks([stack, *answered]) if failure is None and answered else {}
-    run = BackendRun(backend.name, backend.kind, run_id, results, run_stack, failure, decision.state)
-    return replace(run, reference=referenced) if referenced is not None else run
+    state = decision.state
+    return BackendRun(backend.name, backend.kind, run_id, results, run_stack, failure, state, referenced)
 
 
 def _reference_checks(
