@@ -215,6 +215,9 @@ class Canary(_Strict):
     tools: tuple[Tool, ...] | None = None  # offered to the model (chat only), sent as given
     tool_choice: ToolChoice | None = None
     conform: Conform | None = None  # a parameter-conformance canary: sent twice (`canaryd.conform`)
+    # A forced canary: this fixed answer is scored token by token on the prompt (teacher forcing) by a kind
+    # that can score (`backends.base.Scorer`); nothing is sampled, so only logprobs and top-k can move.
+    continuation: Annotated[str, Field(min_length=1)] | None = None
     tags: tuple[str, ...] = ()
     suite: str = ""
 
@@ -270,6 +273,23 @@ class Canary(_Strict):
                 raise ValueError("conform: a chained canary cannot be a conformance pair")
             if self.conform.param == "reasoning_effort" and self.messages is None:
                 raise ValueError("conform: reasoning_effort needs a chat canary (messages)")
+        if self.continuation is not None:
+            self._check_forced()
+
+    def _check_forced(self) -> None:
+        """A forced canary scores one fixed answer: nothing to chain, sample, call or vary, and no answer of
+        its own to check (the continuation is the answer)."""
+        for key, given in (
+            ("steps", self.steps is not None),
+            ("tools", self.tools is not None),
+            ("conform", self.conform is not None),
+            ("decoding.samples", self.decoding.samples > 1),
+            ("expect", self.expect is not None),
+        ):
+            if given:
+                raise ValueError(f"continuation: a forced canary takes no {key} (it scores one fixed answer)")
+        if self.decoding.top_logprobs < 1:
+            raise ValueError("continuation: a forced canary needs decoding.top_logprobs >= 1")
 
     def step_decoding(self, step: Step) -> Decoding:
         """The canary's decoding with the keys the step sets overriding it."""

@@ -362,12 +362,13 @@ def run(ctx: typer.Context) -> None:
 @app.command()
 def validate(ctx: typer.Context, as_json: JsonFlag = False) -> None:
     """Check the config and every canary file without probing anything."""
+    from canaryd.backends.base import cannot_score
     from canaryd.backends.profile import without_completions
     from canaryd.canaries import load_suites, risky_patterns
 
     cfg = load(ctx)
     suites = load_suites([s.path for s in cfg.suites], cfg.limits.suite_bytes)
-    if (why := without_completions(cfg, suites)) is not None:
+    if (why := without_completions(cfg, suites) or cannot_score(cfg, suites)) is not None:
         raise InputError(why)
     n = sum(len(s.canaries) for s in suites)
     warnings = risky_patterns(suites)  # warnings, not errors: the check's time bound contains them

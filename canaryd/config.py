@@ -165,7 +165,33 @@ class Config(Strict):
                     raise ValueError(
                         f"suites[{i}].backends: unknown backend {b!r} (known: {', '.join(names)})"
                     )
+        self._check_reference_backends()
         return self
+
+    def _check_reference_backends(self) -> None:
+        """A backend's ``reference`` names another backend whose kind can score; references form no cycle
+        (a reference is checked by its own reference only when it is probed itself)."""
+        by_name = {b.name: b for b in self.backends}
+        for b in self.backends:
+            ref = b.reference
+            if ref is None:
+                continue
+            where = f"backends.{b.name}.reference"
+            if ref not in by_name:
+                raise ValueError(f"{where}: unknown backend {ref!r} (known: {', '.join(by_name)})")
+            if ref == b.name:
+                raise ValueError(f"{where}: a backend cannot be its own reference")
+            if not by_name[ref].scores:
+                raise ValueError(
+                    f"{where}: backend {ref!r} (kind {by_name[ref].kind}) cannot score a given continuation "
+                    "(a reference must: e.g. kind vllm)"
+                )
+            seen, cur = [b.name], ref
+            while cur is not None:
+                if cur in seen:
+                    raise ValueError(f"{where}: references form a cycle ({' -> '.join([*seen, cur])})")
+                seen.append(cur)
+                cur = by_name[cur].reference if cur in by_name else None
 
     @property
     def storage_url(self) -> str:

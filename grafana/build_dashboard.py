@@ -767,6 +767,24 @@ def build_panels(ids: Ids) -> list[tuple[str, list]]:
                 )
             ],
         ),
+        series_panel(
+            ids,
+            "Reference divergence (nats)",
+            "For a backend with a reference (the weights it claims, re-scored there by teacher forcing): the "
+            "largest gap the reference puts between its answer and the reference's own where they part "
+            "(canaryd_backend_reference_divergence_nats). 0 while it serves the same weights; a 4- or "
+            "8-bit build or another checkpoint lifts it (verdict reference-mismatch).",
+            "short",
+            24,
+            6,
+            [
+                query(
+                    "A",
+                    f"max by (backend) (canaryd_backend_reference_divergence_nats{{{BACKEND}}})",
+                    "{{backend}}",
+                )
+            ],
+        ),
     ]
     cost = [
         series_panel(

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Annotated, Protocol
+from typing import Annotated, Any, Protocol
 
 from pydantic import Field, field_validator, model_validator
 
@@ -58,6 +59,14 @@ class BackendSettings(Strict):
     # the daemon skips a pass that would go past either, and ``check`` refuses (exit 3). None: no limit.
     budget_tokens_per_day: Annotated[int, Field(ge=1)] | None = None
     budget_requests_per_day: Annotated[int, Field(ge=1)] | None = None
+    # Another backend serving the weights this one claims (typically a local vLLM): it re-scores this
+    # backend's answers by teacher forcing (`canaryd.probe.reference`). It must be able to score.
+    reference: Annotated[str | None, Field(pattern=ID_PATTERN)] = None
+
+    @property
+    def scores(self) -> bool:
+        """Whether the kind can teacher-force a given continuation (`Scorer`); a kind that can says so."""
+        return False
 
 
 class HttpSettings(BackendSettings):
@@ -151,6 +160,37 @@ class Prober(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class Scorer(Protocol):
+    """A kind that can score a given continuation (teacher forcing) instead of sampling one: its `attempt`
+    on a canary with ``continuation`` set returns an observation whose tokens are the continuation's, each
+    with its logprob and top-k as the model ranks them at that position. Its settings' ``scores`` is True.
+
+    Scoring is an attempt like any other, so the shared resilience retries it and `probe.vet` checks it;
+    a response that cannot be read is an error observation, never a pass."""
+
+    def attempt(self, canary: Canary) -> Observation: ...
+
+
+def cannot_score(config: Any, suites: Iterable[Any], only: str | None = None) -> str | None:
+    """The first forced canary (``continuation``) a config binds to a backend whose kind cannot score, as
+    a one-line error naming backend and canary; None when there is none. Suites follow their refs' optional
+    ``backends`` list, as the probe plan does."""
+    for backend in config.backends:
+        if backend.scores or only not in (None, backend.name):
+            continue
+        for ref, suite in zip(config.suites, suites, strict=True):
+            if ref.backends is not None and backend.name not in ref.backends:
+                continue
+            for canary in suite.canaries:
+                if canary.continuation is not None:
+                    return (
+                        f"{config.path}: canary {canary.id!r} (suite {suite.name!r}) is forced "
+                        f"(continuation), but backend {backend.name!r} (kind {backend.kind}) cannot score a "
+                        "given continuation: leave the backend out of the suite's backends"
+                    )
+    return None
 
 
 class Backend(Prober, Protocol):

@@ -26,6 +26,9 @@ canaries, or by canary id) reports hidden reasoning as OpenAI-style usage does (
 ``reasoning_tokens`` replaces it (a provider silently lowering reasoning effort). ``reasoning_effort``
 maps a request's effort to its reasoning tokens (``{ low = 100, high = 400 }``).
 
+The kind can score (teacher forcing): a forced canary or a reference check gets the given continuation
+back character by character, ranked against what the script would have answered (`Prober._scored`).
+
 ``tool_calls`` (by canary id) answers a canary that offers tools with that call; a change's ``tool_call``
 replaces it (``no_tool_call = true``: answers with text instead). ``ignore`` lists request parameters the
 server silently ignores (``max_tokens``: the answer is never cut; ``reasoning_effort``: the effort's
@@ -156,6 +159,10 @@ class Settings(BackendSettings):
     # count lives in the process, from 0).
     cycle_file: Path | None = None
 
+    @property
+    def scores(self) -> bool:
+        return True  # a forced canary or a reference check: see `Prober._scored`
+
 
 def _unit(*parts: object) -> float:
     """A stable number in [0, 1) from its parts (the same in every process, unlike ``hash``)."""
@@ -204,7 +211,8 @@ class Prober:
         return fields
 
     def request(self, canary: Canary) -> dict:
-        return wire.request_body(self.cfg.model, canary)
+        body = wire.request_body(self.cfg.model, canary)
+        return body if canary.continuation is None else {**body, "continuation": canary.continuation}
 
     def request_hash(self, canary: Canary) -> str:
         return wire.request_hash(self.request(canary))
@@ -232,13 +240,13 @@ class Prober:
                 if change.error is ErrorKind.RATE_LIMITED:
                     obs.headers = {"retry-after": "0"}
                 return obs
+        if canary.continuation is not None:
+            return self._scored(canary, active, obs, member)
         ignored = {*self.cfg.ignore, *(p for c in active for p in c.ignore)}
         calls = self._calls(canary, active)
         text = wire.with_calls(None, calls) if calls else self._answer(canary, active, draw)
         obs.tool_calls = calls
-        shift = sum(c.logprob_shift for c in active) + (member.logprob_shift if member else 0.0)
-        own = member.noise if member and member.noise is not None else self.cfg.noise
-        noise = next((c.noise for c in reversed(active) if c.noise is not None), own)
+        shift, noise = self._shift_noise(active, member)
         rng = random.Random(f"{self.cfg.seed}:{canary.id}:{draw}")
         d = canary.decoding
         chars = list(text) if "max_tokens" in ignored else list(text)[: d.max_tokens]
@@ -252,17 +260,26 @@ class Prober:
         effort = None if "reasoning_effort" in ignored else d.reasoning_effort
         obs.reasoning_tokens = self._reasoning(canary.id, active, rng, effort)
         obs.completion_tokens = len(chars) + (obs.reasoning_tokens or 0)
-        own_fp = member.fingerprint if member and member.fingerprint is not None else self.cfg.fingerprint
-        fingerprint = next((c.fingerprint for c in reversed(active) if c.fingerprint), own_fp)
-        obs.system_fingerprint, obs.response_model = fingerprint, self.cfg.model
-        obs.stack = {"response.model": self.cfg.model, "response.system_fingerprint": fingerprint}
-        obs.stack.update(member.stack if member else {})
+        self._identify(obs, active, member)
         logprobs = next((c.logprobs for c in reversed(active) if c.logprobs is not None), self.cfg.logprobs)
         if not logprobs:
             obs.tokens, obs.has_logprobs = [], False
             if self.cfg.require_logprobs:
                 obs.error_kind, obs.error = ErrorKind.NO_LOGPROBS, "response carries no logprobs"
         return obs
+
+    def _shift_noise(self, active: list[Change], member: Member | None) -> tuple[float, float]:
+        shift = sum(c.logprob_shift for c in active) + (member.logprob_shift if member else 0.0)
+        own = member.noise if member and member.noise is not None else self.cfg.noise
+        return shift, next((c.noise for c in reversed(active) if c.noise is not None), own)
+
+    def _identify(self, obs: Observation, active: list[Change], member: Member | None) -> None:
+        """The fingerprint and stack fields of the server (fleet member) that answered."""
+        own_fp = member.fingerprint if member and member.fingerprint is not None else self.cfg.fingerprint
+        fingerprint = next((c.fingerprint for c in reversed(active) if c.fingerprint), own_fp)
+        obs.system_fingerprint, obs.response_model = fingerprint, self.cfg.model
+        obs.stack = {"response.model": self.cfg.model, "response.system_fingerprint": fingerprint}
+        obs.stack.update(member.stack if member else {})
 
     def _member(self, draw: int) -> Member | None:
         """The fleet member that answers the ``draw``-th request (None: no fleet)."""
@@ -273,6 +290,32 @@ class Prober:
             return fleet[(draw - 1) % len(fleet)]
         rng = random.Random(f"{self.cfg.seed}:fleet:{draw}")
         return rng.choices(fleet, weights=[m.weight for m in fleet])[0]
+
+    # -- scoring: teacher forcing a given continuation (forced canaries, reference checks) ------------
+    def _scored(
+        self, canary: Canary, active: list[Change], obs: Observation, member: Member | None
+    ) -> Observation:
+        """The continuation scored character by character. The model's own answer (what it would say: its
+        script) ranks first at each position while the continuation follows it; a character off that
+        answer (or after the two parted) gets a lower logprob, by a stable penalty of 1 to 4 nats."""
+        assert canary.continuation is not None
+        own = self._answer(canary.model_copy(update={"continuation": None}), active, 0)
+        shift, noise = self._shift_noise(active, member)
+        rng = random.Random(f"{self.cfg.seed}:{canary.id}:forced:{self._draws}")
+        k, tokens, on_track = canary.decoding.top_logprobs, [], True
+        for i, ch in enumerate(canary.continuation):
+            on_track = on_track and i < len(own) and own[i] == ch
+            top = self._token(canary.id, i, own[i] if i < len(own) else ch, k, shift, noise, rng)
+            if on_track:
+                tokens.append(top)
+                continue
+            lp = min(0.0, top.logprob - 1.0 - 3.0 * _unit(canary.id, i, ch, "off"))
+            tokens.append(TokenLogprob(ch, lp, ord(ch), tuple(ch.encode()), top.top))
+        obs.tokens, obs.text, obs.finish_reason = tokens, canary.continuation, "forced"
+        prompt = canary.prompt or "".join(m.content for m in canary.messages or ())
+        obs.prompt_tokens, obs.completion_tokens = len(prompt), len(tokens)
+        self._identify(obs, active, member)
+        return obs
 
     def _calls(self, canary: Canary, active: list[Change]) -> tuple[ToolCall, ...] | None:
         if canary.tools is None or any(c.no_tool_call for c in active):

@@ -24,15 +24,22 @@ import hashlib
 import json
 import re
 import subprocess
+import time
 from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
-from canaryd.backends import engine_args, openai_compat
+from canaryd.backends import engine_args, openai_compat, refusals, scoring
+from canaryd.backends import openai_wire as wire
 from canaryd.backends.base import HttpSettings
 from canaryd.backends.engine_info import section
 from canaryd.canaries import Canary
 from canaryd.fields import Strict
+from canaryd.lazy import lazy_import
+from canaryd.observation import ErrorKind, Observation, storable, utcnow
+
+httpx2 = lazy_import("httpx2")
+transport = lazy_import("canaryd.backends.transport")
 
 # A fixed conversation whose rendering is hashed: any tokenizer or chat-template change moves it.
 TEMPLATE_PROBE = [
@@ -46,6 +53,14 @@ _VOLATILE_LABELS = {"engine"}
 HOSTFACTS_SCRIPT = Path(__file__).resolve().with_name("hostfacts.py")
 # Generous: the first run hashes the weights (GBs); the hash cache keeps what it finished, even on timeout.
 HOST_PROBE_TIMEOUT_S = 600.0
+
+
+class _Refused(Exception):
+    """A scoring call answered with an error status, classified as a probe's would be."""
+
+    def __init__(self, kind: ErrorKind, message: str) -> None:
+        super().__init__(message)
+        self.kind, self.message = kind, message
 
 
 def info_series(metrics_text: str) -> dict[str, str]:
@@ -89,6 +104,10 @@ class Settings(HttpSettings):
     kind: Literal["vllm"] = "vllm"
     host_probe: HostProbe | None = None
 
+    @property
+    def scores(self) -> bool:
+        return True  # prompt_logprobs: forced canaries and reference checks (`scoring.py`)
+
 
 class Prober(openai_compat.Prober):
     kind = "vllm"
@@ -109,6 +128,72 @@ class Prober(openai_compat.Prober):
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
         }
+
+    def request(self, canary: Canary) -> dict:
+        if canary.continuation is not None:
+            return scoring.score_request(self.cfg.model, canary)
+        return super().request(canary)
+
+    def request_hash(self, canary: Canary) -> str:
+        if canary.continuation is not None:
+            return scoring.score_hash(self.cfg.model, canary)
+        return super().request_hash(canary)
+
+    def attempt(self, canary: Canary) -> Observation:
+        if canary.continuation is None:
+            return super().attempt(canary)
+        obs = Observation(
+            self.name, canary.id, canary.suite, utcnow(), self.request(canary), self.request_hash(canary)
+        )
+        t0 = time.perf_counter()
+        try:
+            self._score(canary, obs)
+        except _Refused as e:
+            obs.error_kind, obs.error = e.kind, storable(self.redact(e.message))
+        except (wire.InvalidResponse, transport.BadEncoding) as e:
+            obs.error_kind, obs.error = ErrorKind.INVALID_RESPONSE, str(e)
+        except transport.DeadlinePassed as e:
+            obs.error_kind, obs.error = ErrorKind.TIMEOUT, str(e)
+        except transport.TooLarge as e:
+            obs.error_kind, obs.error = ErrorKind.TOO_LARGE, str(e)
+        except httpx2.TransportError as e:
+            obs.error_kind = openai_compat.transport_kind(e)
+            obs.error = storable(self.redact(f"{e.__class__.__name__}: {str(e)[:300] or 'no detail'}"))
+        obs.latency_s = time.perf_counter() - t0
+        if obs.error is not None:
+            obs.tokens = []
+        return obs
+
+    def _score(self, canary: Canary, obs: Observation) -> None:
+        """Tokenize prompt and continuation, then score them in one prefill (`scoring.py`)."""
+        model, k = self.cfg.model, canary.decoding.top_logprobs
+        prompt = scoring.token_ids(
+            self._post(f"{self.root}/tokenize", scoring.tokenize_prompt(model, canary)), "prompt"
+        )
+        tail = scoring.token_ids(
+            self._post(f"{self.root}/tokenize", scoring.tokenize_continuation(model, canary)), "continuation"
+        )
+        if not tail:
+            raise wire.InvalidResponse("/tokenize (continuation): no tokens")
+        ids = prompt + tail
+        body = self._post(f"{self.cfg.base_url}/completions", scoring.completion_body(model, ids, k))
+        obs.tokens = scoring.scored_tokens(body, ids, len(prompt), k)
+        obs.text, obs.finish_reason = canary.continuation, "forced"
+        obs.prompt_tokens, obs.completion_tokens = len(prompt), len(tail)
+        if isinstance(body, dict):
+            obs.response_model = body.get("model") if isinstance(body.get("model"), str) else None
+            fp = body.get("system_fingerprint")
+            obs.system_fingerprint = fp if isinstance(fp, str) else None
+        obs.stack = {
+            "response.model": str(obs.response_model),
+            "response.system_fingerprint": str(obs.system_fingerprint),
+        }
+
+    def _post(self, url: str, body: dict) -> object:
+        reply = self.exchange("POST", url, content=openai_compat.wire_body(body), headers=openai_compat.JSON)
+        if not 200 <= reply.status < 300:
+            raise _Refused(*refusals.classify(reply.status, reply.text, self.name))
+        return wire.parse_json(reply.body)
 
     def snapshot(self) -> dict[str, str]:
         fields = super().snapshot()

@@ -303,6 +303,14 @@ class Metrics:
             "1 once the backend's calibrated evidence says it changed, until recalibrated or accepted.",
             b,
         )
+        self.reference_divergence = self._new(
+            per_pass,
+            Gauge,
+            "canaryd_backend_reference_divergence_nats",
+            "Largest gap (nats) its reference puts between the backend's answer and its own where they part, "
+            "over the last pass: 0 while both answer alike (only for a backend with a reference).",
+            b,
+        )
         self.text_basis = self._new(
             per_pass,
             Gauge,
@@ -525,6 +533,9 @@ class Metrics:
             state = run.detector or DetectorState()
             self.e_cusum.labels(b).set(state.statistic)
             self.alarm.labels(b).set(1 if state.alarm else 0)
+            parting = run.reference.max_parting_nats if run.reference is not None else None
+            if parting is not None:
+                self.reference_divergence.labels(b).set(parting)
         self._record_stack(run, now)
 
     def _record_stack(self, run: BackendRun, now: float) -> None:

@@ -69,6 +69,7 @@ class Comparison:
     # text, usage, fingerprint and stack only; ``delta.first_divergence`` then counts characters)
     basis: str = "logprobs"
     latency: Evidence | None = None  # the calibrated latency signal, its own (see `decide`)
+    reference: dict | None = None  # the backend's reference check of this answer (`probe.reference.evidence`)
 
     def as_dict(self) -> dict:
         return {
@@ -96,6 +97,7 @@ class Comparison:
             "evidence": None if self.evidence is None else self.evidence.as_dict(),
             "first_diverged_step": self.first_diverged_step,
             "latency": None if self.latency is None else self.latency.as_dict(),
+            "reference": self.reference,
         }
 
 

@@ -40,6 +40,9 @@ class Verdict(enum.StrEnum):
                      "the probe failed and nothing is judged (never a drift verdict)")
     REGRESSION    = ("regression",    True,  "bold red", "red",
                      "the baseline answered correctly, this one does not")
+    REFERENCE_MISMATCH = ("reference-mismatch", True, "bold red", "dark-orange",
+                     "the backend's reference (the weights it claims, e.g. a local vLLM) scores its answers "
+                     "further from its own choices than the reference's own noise allows")
     ANSWER_DRIFT  = ("answer-drift",  True,  "red",      "orange",
                      "the generated tokens differ from the baseline's")
     LOGPROB_DRIFT = ("logprob-drift", True,  "yellow",   "yellow",

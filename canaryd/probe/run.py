@@ -12,11 +12,13 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from typing import Any
 
 import structlog
 
 from canaryd import progress
 from canaryd.backends import Backend, BackendUnavailable, make_backend
+from canaryd.backends.base import cannot_score
 from canaryd.backends.profile import without_completions
 from canaryd.canaries import Canary, Suite, load_suites
 from canaryd.config import Config
@@ -24,7 +26,7 @@ from canaryd.errors import InputError
 from canaryd.judge.compare import Comparison, Decision, Verdict, decide
 from canaryd.judge.stats import DetectorState
 from canaryd.observation import ErrorKind, Observation, storable, utcnow
-from canaryd.probe import vet
+from canaryd.probe import reference, vet
 from canaryd.probe.shapes import Judged, shape_of
 from canaryd.stack import configuration_of, merge_stacks, stack_hash
 from canaryd.store import Judging, Store, open_store
@@ -51,6 +53,7 @@ class BackendRun:
     stack: dict[str, str]  # empty when the backend was down or no probe answered
     unavailable: BackendUnavailable | None = None
     detector: DetectorState | None = None  # the backend's e-CUSUM after this run (as stored)
+    reference: reference.Cycle | None = None  # the reference checks of this run, if the backend has one
 
     @property
     def stack_hash(self) -> str:
@@ -65,7 +68,7 @@ def plan(config: Config, suites: Sequence[Suite], only: str | None = None) -> di
         for name in out:
             if ref.backends is None or name in ref.backends:
                 out[name].extend(suite.canaries)
-    if (why := without_completions(config, suites, only)) is not None:
+    if (why := without_completions(config, suites, only) or cannot_score(config, suites, only)) is not None:
         raise InputError(why)
     return out
 
@@ -91,6 +94,7 @@ def probe_backend(backend: Backend, canaries: Sequence[Canary], store: Store, co
 
     with _workers(f"probe-{backend.name}", backend.concurrency) as ex:
         sent = list(ex.map(progress.counted(one), canaries))
+    referenced = _reference_checks(config, backend.name, canaries, sent, bound)
 
     try:  # baselines and calibrations, re-read only when they changed
         reads: Judging | Store = store.judging(backend.name)
@@ -145,6 +149,10 @@ def probe_backend(backend: Backend, canaries: Sequence[Canary], store: Store, co
         except Exception:  # the steps keep the verdicts the cycle's decision gave them
             bound.exception("settle_failed", canary=canary.id)
             final.extend(steps)
+    final = [
+        replace(j, comparison=reference.apply(referenced, j.observation.canary_id, j.comparison))
+        for j in final
+    ]
     # one transaction for the pass; an observation the database refuses costs only itself
     items = [(j.observation, j.comparison, j.baseline_id) for j in final]
     written = store.record(run_id, items, len(canaries))
@@ -169,7 +177,21 @@ def probe_backend(backend: Backend, canaries: Sequence[Canary], store: Store, co
     # the canaries, and that half-stack (no response.* fields) would count as a change, its return as another.
     answered = [r.observation.stack for r in results if r.observation.ok]
     run_stack = merge_stacks([stack, *answered]) if failure is None and answered else {}
-    return BackendRun(backend.name, backend.kind, run_id, results, run_stack, failure, decision.state)
+    state = decision.state
+    return BackendRun(backend.name, backend.kind, run_id, results, run_stack, failure, state, referenced)
+
+
+def _reference_checks(
+    config: Config, name: str, canaries: Sequence[Canary], sent: list[list[Observation]], bound: Any
+) -> reference.Cycle | None:
+    """The backend's reference checks (`probe/reference.py`), if it names a reference; a failure of the
+    step itself costs the checks (each answer then carries it as an error reason), never the pass."""
+    try:
+        return reference.run_checks(config, name, canaries, sent)
+    except Exception as e:
+        bound.exception("reference_failed")
+        ids = [c.id for c, obs in zip(canaries, sent, strict=True) if obs and reference.checkable(c, obs[0])]
+        return reference.failed(config.backend(name).reference or "?", ids, _describe(e))
 
 
 REPLACED = (

@@ -7,6 +7,8 @@
   every step's verdict, names the first step that diverged (`chain.mark_divergence`);
 * **sampled**: n draws per cycle, judged as a set against the baseline run's n draws by two-sample tests
   (`canaryd.judge.sampled`); it needs no calibration;
+* **forced**: a fixed ``continuation`` scored token by token by a kind that can teacher-force; sent,
+  judged and calibrated as a plain canary (only its logprobs can move);
 * **conformance**: two requests differing in one parameter (`canaryd.conform`), ``id:low`` and ``id:high``,
   each compared with its own baseline; then the pair is judged (`canaryd.judge.conformance.judge_pair`) and
   a side that shows the parameter was not honoured becomes a ``nonconformant`` error.
@@ -291,10 +293,21 @@ class Conformance(Plain):
         return {obs.canary_id: [r[i] for r in runs] for i, obs in enumerate(runs[0])}
 
 
-PLAIN, CHAINED, SAMPLED, CONFORMANCE = Plain(), Chained(), Sampled(), Conformance()
+class Forced(Plain):
+    """A canary with a fixed ``continuation``, scored token by token by a kind that can teacher-force
+    (`canaryd.backends.base.Scorer`): the kind's attempt scores instead of sampling, so sending, retries,
+    vetting, the census and calibration are the plain shape's. Its tokens never diverge from the
+    baseline's; only logprobs and top-k can move, and no argmax flip can hide or fake a change."""
+
+    name = "forced"
+
+
+PLAIN, CHAINED, SAMPLED, CONFORMANCE, FORCED = Plain(), Chained(), Sampled(), Conformance(), Forced()
 
 
 def shape_of(canary: Canary) -> Plain:
+    if canary.continuation is not None:
+        return FORCED
     if canary.conform is not None:
         return CONFORMANCE
     if canary.steps is not None:

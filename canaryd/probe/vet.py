@@ -32,8 +32,10 @@ MAX_HEADER_VALUE = 256
 
 
 def probe(backend: Backend, canary: Canary) -> Observation:
-    """``backend.probe(canary)``, vetted against the canary's own decoding."""
-    return vet(backend.probe(canary), canary.decoding.max_tokens)
+    """``backend.probe(canary)``, vetted against the canary's own decoding (a forced canary's tokens are
+    its continuation's, which no ``max_tokens`` bounds)."""
+    limit = canary.decoding.max_tokens if canary.continuation is None else None
+    return vet(backend.probe(canary), limit)
 
 
 def _bad(value: object) -> bool:

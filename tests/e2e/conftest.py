@@ -32,3 +32,11 @@ def int4_model(tiny_model: Path) -> Path:
     from canaryd.lab.tinymodel import perturb_weights
 
     return perturb_weights(tiny_model, CACHE / "random-seed0-int4", mode="int4")
+
+
+@pytest.fixture(scope="session")
+def seed1_model() -> Path:
+    """A differently seeded model of the same shape: another checkpoint behind the same name."""
+    from canaryd.lab.tinymodel import build_tiny_model
+
+    return build_tiny_model(CACHE / "random-seed1", seed=1)

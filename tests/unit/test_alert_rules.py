@@ -43,6 +43,7 @@ TARGET_LABELS = {"job", "instance"}
 FAST_ALERTS = {
     "CanarydDriftEvidence",
     "CanarydRegression",
+    "CanarydReferenceMismatch",
     "CanarydAnswerChanged",
     "CanarydLogprobDrift",
     "CanarydStackChanged",

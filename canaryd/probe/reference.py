@@ -1,0 +1,177 @@
+"""The reference step of a probe pass: a backend with ``reference = "<name>"`` has its answers re-scored
+by that backend (which must be able to score: `canaryd.backends.base.Scorer`).
+
+For each plain canary the provider answered, the reference (1) scores the provider's text on the canary's
+prompt by teacher forcing, (2) answers the canary itself, greedily, and scores its own answer the same way,
+and (3) does (2) once more: the statistic is how far apart the reference ranks (1) and (2) where they part,
+and the same between (2) and (3) is the reference's own noise, the null it is tested against.
+Everything goes through the reference's resilience and vetting like any probe. `canaryd.judge.reference`
+turns the divergences into a verdict; `apply` writes it into the comparisons once the cycle's other
+verdicts are settled. A reference that cannot be reached or cannot
+score makes the check an error reason (never an ``identical``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+
+from canaryd.backends import Backend, make_backend
+from canaryd.canaries import Canary
+from canaryd.config import Config
+from canaryd.judge.compare import Comparison, Verdict
+from canaryd.judge.reference import Divergence, ReferenceDecision, decide, divergence, p_value, parting
+from canaryd.observation import Observation, TokenLogprob
+from canaryd.probe import vet
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    """One canary's reference check, or why it could not be made.
+
+    ``divergence``: the provider's answer as the reference scores it; ``own``: the reference's own greedy
+    answer, scored the same way (text in, text re-tokenized: whatever that loses, both lose); ``parting``:
+    the statistic, how far apart the reference ranks the two where they part (0: the same tokens);
+    ``noise``: the same between two of the reference's own answers, one draw of the statistic's null."""
+
+    divergence: Divergence | None = None
+    own: Divergence | None = None
+    parting: float | None = None
+    noise: float | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Cycle:
+    """A backend cycle's reference checks (by canary id) and their decision."""
+
+    reference: str
+    checks: dict[str, Check]
+    p_values: dict[str, float]
+    decision: ReferenceDecision
+
+    @property
+    def max_parting_nats(self) -> float | None:
+        """The largest parting this cycle (the backend's metric), None when nothing was scored."""
+        values = [c.parting for c in self.checks.values() if c.parting is not None]
+        return max(values) if values else None
+
+
+def checkable(canary: Canary, obs: Observation) -> bool:
+    """A plain canary (one generated answer, no tool call) the provider answered with some text."""
+    plain = canary.continuation is None and canary.steps is None and canary.conform is None
+    return plain and canary.decoding.samples == 1 and obs.ok and bool(obs.text) and obs.tool_calls is None
+
+
+def _forced(canary: Canary, text: str) -> Canary:
+    decoding = canary.decoding.model_copy(update={"top_logprobs": max(1, canary.decoding.top_logprobs)})
+    return canary.model_copy(update={"continuation": text, "decoding": decoding})
+
+
+def _failed(obs: Observation, what: str) -> str:
+    return f"{what}: {obs.error_kind}: {obs.error}"
+
+
+def _own(reference: Backend, canary: Canary) -> list[TokenLogprob] | str:
+    """The reference's own greedy answer, scored as a provider's would be (or why it could not be); an
+    empty answer has no tokens (a provider that says something where it says nothing parts from it)."""
+    own = vet.probe(reference, canary)
+    if not own.ok:
+        return _failed(own, "the reference's own answer")
+    if not own.text:
+        return []
+    scored = vet.probe(reference, _forced(canary, own.text))
+    return scored.tokens if scored.ok else _failed(scored, "scoring its own answer")
+
+
+def check_one(reference: Backend, canary: Canary, obs: Observation) -> Check:
+    """Score the provider's answer and, twice, the reference's own on the reference; never raises."""
+    try:
+        scored = vet.probe(reference, _forced(canary, obs.text or ""))
+        if not scored.ok:
+            return Check(error=_failed(scored, "scoring the answer"))
+        own, repeat = _own(reference, canary), _own(reference, canary)
+        for d in (own, repeat):
+            if isinstance(d, str):
+                return Check(error=d)
+        assert not isinstance(own, str) and not isinstance(repeat, str)
+        provider = obs.tokens if obs.has_logprobs else ()
+        return Check(
+            divergence(scored.tokens, provider),
+            divergence(own) if own else None,
+            parting(scored.tokens, own),
+            parting(own, repeat),
+        )
+    except Exception as e:  # a bug costs this canary's check, reported as such
+        return Check(error=f"internal: {e.__class__.__name__}: {str(e)[:200]}")
+
+
+def run_checks(
+    config: Config, name: str, canaries: Sequence[Canary], sent: Sequence[list[Observation]]
+) -> Cycle | None:
+    """The reference checks of backend ``name``'s cycle (None when it names no reference)."""
+    ref_name = config.backend(name).reference
+    if ref_name is None:
+        return None
+    todo = [(c, obs[0]) for c, obs in zip(canaries, sent, strict=True) if obs and checkable(c, obs[0])]
+    if not todo:  # nothing answered that could be checked: the reference is not called
+        return Cycle(ref_name, {}, {}, decide({}, config.compare.alpha))
+    reference = make_backend(config.backend(ref_name))
+    try:
+        with ThreadPoolExecutor(reference.concurrency, thread_name_prefix=f"reference-{name}") as ex:
+            checks = list(ex.map(lambda item: check_one(reference, *item), todo))
+    finally:
+        reference.close()
+    by_id = {c.id: check for (c, _), check in zip(todo, checks, strict=True)}
+    null = [c.noise for c in by_id.values() if c.noise is not None]
+    tolerance = config.compare.logprob_tolerance
+    p = {cid: p_value(c.parting, null, tolerance) for cid, c in by_id.items() if c.parting is not None}
+    return Cycle(ref_name, by_id, p, decide(p, config.compare.alpha))
+
+
+def evidence(cycle: Cycle, canary_id: str) -> dict:
+    """What a comparison carries of its canary's reference check (``check --json``, the store)."""
+    check = cycle.checks[canary_id]
+    return {
+        "backend": cycle.reference,
+        "divergence": None if check.divergence is None else check.divergence.as_dict(),
+        "own_mean_nats": None if check.own is None else check.own.mean_nats,
+        "parting_nats": check.parting,
+        "noise_nats": check.noise,
+        "p_value": cycle.p_values.get(canary_id),
+        "cycle_p_value": cycle.decision.p_value,
+        "mismatch": canary_id in cycle.decision.out,
+        "error": check.error,
+    }
+
+
+def apply(cycle: Cycle | None, canary_id: str, comparison: Comparison) -> Comparison:
+    """``comparison`` with its canary's reference check: ``reference-mismatch`` when the canary is out,
+    an ``error`` (instead of a verdict that says nothing moved) when the check could not be made."""
+    if cycle is None or canary_id not in cycle.checks:
+        return comparison
+    check, verdict, reasons = cycle.checks[canary_id], comparison.verdict, comparison.reasons
+    if check.error is not None:
+        reasons = (*reasons, f"reference check on {cycle.reference!r} failed: {check.error}")
+        if verdict in (Verdict.IDENTICAL, Verdict.NOISE):
+            verdict = Verdict.ERROR
+    elif canary_id in cycle.decision.out:
+        d = check.divergence
+        assert d is not None and check.parting is not None and check.noise is not None
+        own = f"{check.own.mean_nats:.4g}" if check.own is not None else "none: it answered nothing"
+        reasons = (
+            *reasons,
+            f"reference {cycle.reference!r} would not answer this: where the answers part it ranks them "
+            f"{check.parting:.4g} nats apart (its own two answers: {check.noise:.4g}); the answer scores "
+            f"{d.mean_nats:.4g} nats/token off its choices (max {d.max_nats:.4g}, {d.tokens} tokens; its own "
+            f"answer {own}); p = {cycle.p_values[canary_id]:.3g}",
+        )
+        verdict = Verdict.most_severe([verdict, Verdict.REFERENCE_MISMATCH])
+    return replace(comparison, verdict=verdict, reasons=reasons, reference=evidence(cycle, canary_id))
+
+
+def failed(reference: str, canary_ids: Sequence[str], error: str) -> Cycle:
+    """A cycle whose reference step itself failed: every checkable canary carries the error."""
+    checks = {cid: Check(error=error) for cid in canary_ids}
+    return Cycle(reference, checks, {}, decide({}, 1.0))

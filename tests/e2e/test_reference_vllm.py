@@ -1,0 +1,145 @@
+"""Reference checks and forced canaries on real vLLM servers.
+
+A reference vLLM (the fp32 tiny model, kind ``vllm``) re-scores, by teacher forcing, the answers of a
+"provider": a second vLLM behind the ``openai`` kind with ``logprobs = "off"``, so the reference does all
+the scoring. The same weights are never a mismatch over ten cycles; the provider restarted with an int8
+or 4-bit round trip of the weights, or a differently seeded model of the same shape, is a
+``reference-mismatch`` within one cycle. The provider's server is also probed as kind ``vllm`` with forced
+canaries (a fixed continuation scored token by token): identical across passes, a logprob drift once its
+weights change. Five server starts (one reference, four providers), about 40 s each.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from canaryd.lab.vllm_process import VLLMServer, free_port
+from tests.e2e.conftest import REPO
+from tests.e2e.lab import Lab
+
+pytestmark = pytest.mark.vllm
+
+FORCED = """
+[suite]
+name = "forced"
+[[canary]]
+id = "forced-capital"
+messages = [{ role = "user", content = "What is the capital of France? Answer with one word." }]
+continuation = "Paris"
+[[canary]]
+id = "forced-colors"
+prompt = "The three primary colors of light are red, green and"
+continuation = " blue, which together make white light."
+"""
+
+CONFIG = """
+state_dir = "state"
+[[suites]]
+path = "{default}"
+backends = ["provider"]
+[[suites]]
+path = "suite.toml"
+backends = ["provider-vllm", "ref"]
+[[backends]]
+name = "ref"
+kind = "vllm"
+base_url = "http://127.0.0.1:{ref_port}/v1"
+model = "tiny"
+timeout_s = 120
+[[backends]]
+name = "provider"
+kind = "openai"
+base_url = "http://127.0.0.1:{{port}}/v1"
+model = "tiny"
+timeout_s = 120
+reference = "ref"
+[backends.request]
+logprobs = "off"
+[[backends]]
+name = "provider-vllm"
+kind = "vllm"
+base_url = "http://127.0.0.1:{{port}}/v1"
+model = "tiny"
+timeout_s = 120
+"""
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory, tiny_model):
+    root = tmp_path_factory.mktemp("reference")
+    ref_port = free_port()
+    config = CONFIG.format(default=REPO / "canaries" / "default.toml", ref_port=ref_port)
+    lab = Lab(root, FORCED, config)
+    ref = VLLMServer(
+        tiny_model, port=ref_port, extra_args=["--enforce-eager"], log_path=root / "vllm-reference.log"
+    )
+    with ref:
+        yield lab
+
+
+def rows(report: dict, backend: str) -> dict[str, dict]:
+    return {r["canary"]: r for r in report["results"] if r["backend"] == backend}
+
+
+def divergence(report: dict) -> tuple[float, float, float]:
+    """Over the provider's checked answers, averaged per canary: the mean divergence d per token as the
+    reference scores them, the same for the reference's own answers (both nats/token); the largest parting
+    (nats)."""
+    refs = [r["reference"] for r in rows(report, "provider").values() if r["text"]]
+    assert refs and all(x["error"] is None for x in refs), refs
+    both = [
+        (x["divergence"]["mean_nats"], x["own_mean_nats"]) for x in refs if x["own_mean_nats"] is not None
+    ]
+    mean, own = (sum(v) / len(both) for v in zip(*both, strict=True))
+    return mean, own, max(x["parting_nats"] for x in refs)
+
+
+def test_the_same_weights_are_never_a_mismatch_over_ten_cycles(lab, tiny_model):
+    with lab.serve(tiny_model):
+        for cycle in range(10):
+            code, report = lab.json("check")
+            assert code == 0, [
+                (r["backend"], r["canary"], r["verdict"], r["reasons"]) for r in report["results"]
+            ]
+            provider = rows(report, "provider")
+            assert provider and all(r["basis"] == "text" for r in provider.values())
+            # every answer with text is checked (an empty answer leaves nothing to score)
+            checked = {c: r["reference"] for c, r in provider.items() if r["text"]}
+            assert len(checked) >= len(provider) - 2, {c: repr(r["text"]) for c, r in provider.items()}
+            assert all(ev and not ev["mismatch"] and ev["error"] is None for ev in checked.values()), checked
+            forced = rows(report, "provider-vllm")
+            want = "baseline" if cycle == 0 else "identical"
+            assert {r["verdict"] for r in forced.values()} == {want}, forced
+    mean, own, parting = divergence(report)
+    assert parting == 0.0
+    print(
+        f"\nsame weights: divergence {mean:.4f} nats/token (reference's own {own:.4f}), parting {parting:.4f}"
+    )
+
+
+@pytest.mark.parametrize("variant", ["int8", "int4", "seed1"])
+def test_other_weights_are_a_reference_mismatch_within_one_cycle(lab, variant, request):
+    model = request.getfixturevalue(f"{variant}_model")
+    with lab.serve(model):
+        code, report = lab.json("check")
+    (lab.root / f"check-{variant}.json").write_text(json.dumps(report))  # the evidence, for a failure
+    assert code == 1, report
+    provider = rows(report, "provider")
+    mismatched = [c for c, r in provider.items() if r["verdict"] == "reference-mismatch"]
+    assert mismatched, [(c, r["verdict"], r["reference"]) for c, r in provider.items()]
+    for c in mismatched:
+        ev = provider[c]["reference"]
+        assert ev["mismatch"] and ev["parting_nats"] > 0 and ev["p_value"] == 0.0 and ev["backend"] == "ref"
+    forced = rows(report, "provider-vllm")
+    assert {r["verdict"] for r in forced.values()} == {"logprob-drift"}, forced
+    for r in forced.values():  # no sampling: the same tokens, only their logprobs moved
+        assert r["delta"]["first_divergence"] is None and r["delta"]["max_abs_dlogprob"] > 0
+    assert {r["verdict"] for r in rows(report, "ref").values()} == {"identical"}
+    mean, own, parting = divergence(report)
+    print(
+        f"\n{variant}: divergence {mean:.4f} nats/token (reference's own {own:.4f}), largest parting "
+        f"{parting:.4f} nats; "
+        f"{len(mismatched)}/{len(provider)} canaries out"
+    )
