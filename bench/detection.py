@@ -436,7 +436,7 @@ def main() -> None:
     )
     print(
         f"alpha {args.alpha:g} per test; budget r = requests per canary/prompt, C·r = {c}·r requests "
-        f"per test; {settings.trials} trials per server and budget; N0 over {settings.restarts} restarts"
+        f"per test; {settings.trials} trials per server and budget; N0 over {len(servers['N0'])} restarts"
     )
     print(
         f"canaryd knobs from alpha, for any test of up to {max(settings.r_probes)} cycles: min_out "
