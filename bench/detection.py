@@ -56,7 +56,6 @@ import random
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
@@ -84,21 +83,24 @@ from bench.detection_methods import (  # noqa: E402
     DEFAULT_RULE,
     EXTENSIONS,
     METHODS,
-    REQUESTS,
-    Outcome,
     Reference,
     alpha_rule,
     shim_outcomes,
 )
-from bench.peers import roc_auc  # noqa: E402
+from bench.detection_report import (  # noqa: E402
+    Cells,
+    figures,
+    method_table,
+    power_table,
+    targets,
+    tokens_per_request,
+)
 from canaryd import log  # noqa: E402
 from canaryd.config import CompareConfig  # noqa: E402
 from canaryd.judge.stats import fit  # noqa: E402
 from canaryd.lab.tinymodel import perturb_weights  # noqa: E402
 
 SHIM_SIGMAS = (0.003, 0.02)  # nats: σ_mode of the synthetic noise
-POWER = 0.95
-TOKEN_TARGET = 48  # LT's budget per test in its paper (28 input + 20 output tokens)
 
 
 @dataclass(frozen=True)
@@ -145,8 +147,6 @@ QUICK = replace(
     r_samples=(1, 2, 4, 8, 16),
 )
 
-Cells = dict[tuple[str, str], dict[int, list[Outcome]]]  # (method, variant) → budget r → outcomes
-
 
 def analyse(
     ref: Reference, servers: dict[str, list[Served]], settings: Settings, alpha: float, seed: int
@@ -161,123 +161,6 @@ def analyse(
                 for r, outcomes in method(ref, s, settings, alpha, rng).items():
                     cells.setdefault((name, variant), {}).setdefault(r, []).extend(outcomes)
     return cells
-
-
-def power(outcomes: Sequence[Outcome]) -> float:
-    return sum(o.reject for o in outcomes) / len(outcomes)
-
-
-def tokens_per_request(name: str, s: Served) -> float:
-    kind = REQUESTS.get(name, ("greedy", ""))[0]
-    return {"greedy": s.tokens, "sample": s.sample_tokens, "lt": s.lt_tokens}[kind]
-
-
-def figures(cells: Cells, ladder: Sequence[str], c: int, tokens: dict[str, float]) -> dict:
-    """Power, false alarms, AUC (variant vs N0, and the pooled ladder vs N0) and the budget for power 0.95."""
-    out: dict = {"cells": {}, "methods": {}}
-    for (name, variant), by_r in cells.items():
-        null = cells.get((name, "N0"), {})
-        need = next((r for r in sorted(by_r) if power(by_r[r]) >= POWER), None)
-        out["cells"][f"{name} | {variant}"] = {
-            "method": name,
-            "variant": variant,
-            "power": {r: power(x) for r, x in by_r.items()},
-            "hits": {r: sum(o.reject for o in x) for r, x in by_r.items()},
-            "trials": {r: len(x) for r, x in by_r.items()},
-            "auc_vs_n0": {
-                r: roc_auc([o.score for o in x], [o.score for o in null.get(r, [])]) for r, x in by_r.items()
-            },
-            "power_095": None
-            if need is None or variant in ("N0", "F")
-            else {"r": need, "requests": c * need, "tokens": round(c * need * tokens[name])},
-        }
-    for name in dict.fromkeys(n for n, _ in cells):
-        null = cells.get((name, "N0"), {})
-        rs = sorted(null)
-        auc = {
-            r: roc_auc(
-                [o.score for v in ladder for o in cells.get((name, v), {}).get(r, [])],
-                [o.score for o in null[r]],
-            )
-            for r in rs
-        }
-        cheap = [r for r in rs if c * r * tokens[name] <= TOKEN_TARGET]
-        # the smallest budget at which every ladder variant is detected with power 0.95
-        need = next(
-            (r for r in rs if all(power(cells[(name, v)][r]) >= POWER for v in ladder if (name, v) in cells)),
-            None,
-        )
-        out["methods"][name] = {
-            "requests_per_test": REQUESTS.get(name, ("", "C·r"))[1],
-            "tokens_per_request": tokens[name],
-            "tokens_per_test": {r: round(c * r * tokens[name]) for r in rs},
-            "ladder_auc": auc,
-            "ladder_auc_within_token_target": auc[max(cheap)] if cheap else None,
-            "false_alarms_n0": {r: f"{sum(o.reject for o in null[r])}/{len(null[r])}" for r in rs},
-            "ladder_power_095": None
-            if need is None
-            else {"r": need, "requests": c * need, "tokens": round(c * need * tokens[name])},
-        }
-    return out
-
-
-def power_table(cells: Cells, figs: dict, variants: Sequence[str], rs: Sequence[int]) -> str:
-    """Per variant × method: power per budget r (N0 and F: false alarms as hits/trials), and the budget
-    for power 0.95."""
-    head = "| variant | method | " + " | ".join(f"r={r}" for r in rs) + " | power 0.95 at |"
-    lines = [head, "|" + "---|" * (len(rs) + 3)]
-    for variant in variants:
-        for (name, v), by_r in cells.items():
-            if v != variant:
-                continue
-            cellf = figs["cells"][f"{name} | {v}"]
-            row = []
-            for r in rs:
-                x = by_r.get(r)
-                if x is None:
-                    row.append("—")
-                elif v in ("N0", "F"):
-                    row.append(f"{sum(o.reject for o in x)}/{len(x)}")
-                else:
-                    row.append(f"{power(x):.2f}")
-            need = cellf["power_095"]
-            need_s = (
-                "(honest)"
-                if v in ("N0", "F")
-                else "not reached"
-                if need is None
-                else (f"r={need['r']}: {need['requests']} req, {need['tokens']} tok")
-            )
-            lines.append(f"| {v} | {name} | " + " | ".join(row) + f" | {need_s} |")
-    return "\n".join(lines)
-
-
-def method_table(figs: dict, rs: Sequence[int]) -> str:
-    head = (
-        "| method | requests per test | tokens per test (r="
-        + ",".join(map(str, rs))
-        + ") | ladder AUC (r="
-        + ",".join(map(str, rs))
-        + f") | AUC at ≤ {TOKEN_TARGET} tok | false alarms N0 (r="
-        + ",".join(map(str, rs))
-        + ") | all ladder at power 0.95 |"
-    )
-    lines = [head, "|---|---|---|---|---|---|---|"]
-    for name, m in figs["methods"].items():
-        tok = "/".join(str(m["tokens_per_test"].get(r, "—")) for r in rs)
-        auc = "/".join(f"{m['ladder_auc'][r]:.3f}" if r in m["ladder_auc"] else "—" for r in rs)
-        fa = " ".join(m["false_alarms_n0"].get(r, "—") for r in rs)
-        cheap = (
-            "—"
-            if m["ladder_auc_within_token_target"] is None
-            else f"{m['ladder_auc_within_token_target']:.3f}"
-        )
-        need = m["ladder_power_095"]
-        need_s = (
-            "not reached" if need is None else f"r={need['r']}: {need['requests']} req, {need['tokens']} tok"
-        )
-        lines.append(f"| {name} | {m['requests_per_test']} | {tok} | {auc} | {cheap} | {fa} | {need_s} |")
-    return "\n".join(lines)
 
 
 def serve_all(
@@ -460,6 +343,9 @@ def main() -> None:
     print()
     print(f"REAL, per method: ROC AUC over the ladder ({', '.join(ladder)}) vs N0")
     print(method_table(real_figs, rs))
+    print()
+    print("targets (canaryd, REAL):")
+    print("\n".join(f"- {line}" for line in targets(real_figs, real, tokens)))
     for sigma in SHIM_SIGMAS:
         print()
         print(
@@ -471,6 +357,8 @@ def main() -> None:
         print()
         print(f"SYNTHETIC σ_mode = {sigma:g}, per method")
         print(method_table(shim_figs[sigma], settings.r_probes))
+        print(f"targets (canaryd, SYNTHETIC σ_mode = {sigma:g}):")
+        print("\n".join(f"- {line}" for line in targets(shim_figs[sigma], shim[sigma], tokens)))
     print()
     print(f"wall time {wall:.0f} s: " + ", ".join(f"{k} {v:.0f} s" for k, v in phases.items()))
     print(f"vLLM logs: {logs}")
@@ -494,6 +382,11 @@ def main() -> None:
             "tokens_per_request": tokens,
             "startup_s": {v: [s.startup_s for s in ss] for v, ss in servers.items()},
             "real": real_figs,
+            "targets": {"real": targets(real_figs, real, tokens)}
+            | {
+                f"synthetic {sigma:g}": targets(shim_figs[sigma], shim[sigma], tokens)
+                for sigma in SHIM_SIGMAS
+            },
             "synthetic": {
                 "modes": SHIM_MODES,
                 "jitter_share": SHIM_JITTER,
