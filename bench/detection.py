@@ -234,7 +234,9 @@ def serve_all(
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
-        "--quick", action="store_true", help="fewer restarts, scales, samples and trials (≈15 min)"
+        "--quick",
+        action="store_true",
+        help="fewer restarts, scales, samples and trials (about 9 min on 2 cores)",
     )
     ap.add_argument("--alpha", type=float, default=0.01, help="per-test false-alarm rate of every method")
     ap.add_argument("--json", type=Path, help="also write every figure to this JSON file")
@@ -274,6 +276,7 @@ def main() -> None:
         with args.probes.open("rb") as f:
             ref, servers, fleet_hits, serving_phases = pickle.load(f)
         print(f"probes loaded from {args.probes}; no server started", flush=True)
+        serving_phases = {f"{k} (when served)": v for k, v in serving_phases.items()}
     else:
         ref, servers, fleet_hits, serving_phases = serve_all(
             canaries, model, weights, settings, logs, args.seed
