@@ -1,0 +1,281 @@
+"""The detection bench's testbed: the tiny trained model, real vLLM servers, what each server gave, a random
+balancer in front of two servers (the heterogeneous fleet), and the SYNTHETIC noise shim."""
+
+from __future__ import annotations
+
+import http.client
+import random
+import statistics
+import threading
+import urllib.parse
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+from canaryd.backends import Backend, make_backend, vllm_server
+from canaryd.canaries import Canary, Decoding, load_suite
+from canaryd.config import CompareConfig
+from canaryd.lab.tinymodel import build_tiny_model
+from canaryd.lab.vllm_process import VLLMServer, free_port
+from canaryd.observation import Observation
+from canaryd.probe.shapes import shape_of
+
+REPO = Path(__file__).resolve().parents[1]
+CACHE = REPO / ".cache" / "bench-models"
+CANARY_IDS = (
+    "arith-add",
+    "arith-mul",
+    "fact-capital-france",
+    "fact-water-formula",
+    "extract-invoice-total",
+    "extract-date",
+)
+MAX_TOKENS = 12
+CONCURRENCY = 8  # in-flight requests: the largest calibration batch, and the T=1 sampling
+SHIM_MODES = 4
+SHIM_JITTER = 0.15  # iid jitter as a share of σ_mode (0.003 vs 0.02 in docs/detection-research.md §2.4)
+SHIM_CAL_DAYS = 4  # the calibration probes are spread over this many simulated days (mode mixes)
+
+
+@dataclass
+class Served:
+    """What one server gave: greedy probes per canary (alone and crowded), temperature-1 samples per prompt
+    and LT's one-token probes; tokens are the mean prompt + completion tokens per request of each kind."""
+
+    variant: str
+    greedy: dict[str, list[Observation]]
+    samples: dict[str, list[Observation]]
+    lt: list[Observation]
+    tokens: float
+    sample_tokens: float
+    lt_tokens: float
+    startup_s: float
+    # probes of rows wired later (e.g. teacher-forced or reference canaries), by row name
+    extra: dict[str, dict[str, list[Observation]]] = field(default_factory=dict)
+
+
+def bench_canaries() -> list[Canary]:
+    """Short known-answer canaries of the shipped suite: greedy, seed 0, top-5 logprobs, 12 tokens at most."""
+    suite = load_suite(REPO / "canaries" / "default.toml")
+    chosen = [c for c in suite.canaries if c.id in CANARY_IDS]
+    return [
+        c.model_copy(update={"decoding": c.decoding.model_copy(update={"max_tokens": MAX_TOKENS})})
+        for c in chosen
+    ]
+
+
+# LT's probe as its paper sends it: the one-character prompt "x", one output token, the top-20 logprobs
+LT_CANARY = Canary(
+    id="lt-x", prompt="x", decoding=Decoding(max_tokens=1, top_logprobs=20, temperature=0.0), suite="bench"
+)
+
+
+def trained_model(canaries: Sequence[Canary]) -> Path:
+    pairs = [([m.model_dump() for m in c.messages or ()], c.expect.answer) for c in canaries if c.expect]
+    return build_tiny_model(CACHE / "detection-trained-seed0", seed=0, train=pairs, steps=600)
+
+
+def backend_for(base_url: str) -> Backend:
+    cfg = vllm_server.Settings(
+        name="bench", kind="vllm", base_url=base_url, model="tiny", concurrency=CONCURRENCY
+    )
+    return make_backend(cfg)
+
+
+@contextmanager
+def server(model: Path, dtype: str, logs: Path, name: str) -> Iterator[VLLMServer]:
+    with VLLMServer(model, dtype=dtype, extra_args=["--enforce-eager"], log_path=logs / f"{name}.log") as srv:
+        yield srv
+
+
+@contextmanager
+def serving(model: Path, dtype: str, logs: Path, name: str) -> Iterator[tuple[Backend, float]]:
+    """A real vLLM server and canaryd's own backend for it (closed, and the server stopped, on exit)."""
+    with server(model, dtype, logs, name) as srv:
+        backend = backend_for(srv.base_url)
+        try:
+            yield backend, srv.startup_seconds or 0.0
+        finally:
+            backend.close()
+
+
+class Balancer:
+    """A random load balancer on loopback: each request goes to one upstream drawn at random (seeded).
+
+    The heterogeneous fleet (F): one served name, two replicas whose numerics differ, as a provider's
+    mixed-hardware pool looks from outside."""
+
+    def __init__(self, upstreams: Sequence[str], seed: int) -> None:
+        self.upstreams = [urllib.parse.urlsplit(u) for u in upstreams]
+        self.rng = random.Random(seed)
+        self.lock = threading.Lock()
+        self.hits = [0] * len(upstreams)
+        lb = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _relay(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                with lb.lock:
+                    i = lb.rng.randrange(len(lb.upstreams))
+                    lb.hits[i] += 1
+                up = lb.upstreams[i]
+                conn = http.client.HTTPConnection(up.hostname, up.port, timeout=120)
+                try:
+                    headers = {
+                        k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")
+                    }
+                    conn.request(self.command, self.path, body=body or None, headers=headers)
+                    resp = conn.getresponse()
+                    data = resp.read()
+                finally:
+                    conn.close()
+                self.send_response(resp.status)
+                for k, v in resp.getheaders():
+                    if k.lower() not in (
+                        "content-length",
+                        "transfer-encoding",
+                        "connection",
+                        "date",
+                        "server",
+                    ):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = _relay
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self.base_url = f"http://127.0.0.1:{self.httpd.server_port}{self.upstreams[0].path}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def __enter__(self) -> Balancer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def ok(observations: list[Observation], what: str) -> list[Observation]:
+    """A failed probe would silently lower every figure: stop instead."""
+    bad = [o for o in observations if not o.ok]
+    if bad:
+        raise SystemExit(f"detection bench: {len(bad)} {what} probe(s) failed, e.g. {bad[0].error}")
+    return observations
+
+
+def greedy_probes(backend: Backend, canaries: Sequence[Canary], n: int) -> dict[str, list[Observation]]:
+    """n probes per canary over the configured load levels, as ``baseline calibrate`` sends them."""
+    sizes = CompareConfig().calibration_batch_sizes
+    return {
+        c.id: ok(shape_of(c).calibration_probes(backend, c, canaries, k=n, batch_sizes=sizes)[c.id], c.id)
+        for c in canaries
+    }
+
+
+def sampled(
+    backend: Backend, canaries: Sequence[Canary], n: int, rng: random.Random
+) -> dict[str, list[Observation]]:
+    """n temperature-1 answers per prompt, CONCURRENCY in flight.
+
+    Each request carries a fresh seed from the bench's RNG (another per server): draws on different servers
+    are then independent, where unseeded requests on a server started with ``--seed 0`` could replay the
+    same random stream after every restart.
+    """
+    jobs = [
+        c.model_copy(
+            update={
+                "decoding": c.decoding.model_copy(update={"temperature": 1.0, "seed": rng.getrandbits(31)})
+            }
+        )
+        for c in canaries
+        for _ in range(n)
+    ]
+    with ThreadPoolExecutor(CONCURRENCY) as pool:
+        got = ok(list(pool.map(backend.probe, jobs)), "temperature-1")
+    return {c.id: [o for o in got if o.canary_id == c.id] for c in canaries}
+
+
+def lt_probes(backend: Backend, n: int) -> list[Observation]:
+    """n of LT's one-token probes, CONCURRENCY in flight (its paper sends them one by one over time)."""
+    with ThreadPoolExecutor(CONCURRENCY) as pool:
+        got = ok(list(pool.map(backend.probe, [LT_CANARY] * n)), "LT")
+    if any(not o.tokens or not o.tokens[0].top for o in got):
+        raise SystemExit("detection bench: an LT probe came back without top logprobs")
+    return got
+
+
+def mean_tokens(observations: Sequence[Observation]) -> float:
+    return statistics.fmean((o.prompt_tokens or 0) + (o.completion_tokens or 0) for o in observations)
+
+
+def collect(
+    variant: str, backend: Backend, startup_s: float, canaries: Sequence[Canary], settings, rng: random.Random
+) -> Served:
+    greedy = greedy_probes(backend, canaries, settings.pool)
+    samples = sampled(backend, canaries, settings.samples, rng)
+    lt = lt_probes(backend, settings.lt_pool)
+    return Served(
+        variant,
+        greedy,
+        samples,
+        lt,
+        mean_tokens([o for obs in greedy.values() for o in obs]),
+        mean_tokens([o for obs in samples.values() for o in obs]),
+        mean_tokens(lt),
+        startup_s,
+    )
+
+
+class Shim:
+    """SYNTHETIC mode-structured noise on real logprobs: the figures where the noise floor is not zero.
+
+    Batched GPU serving does not jitter around one value; a request takes one of a few numerical paths
+    (modes) whose mix follows the load (docs/detection-research.md §1.4, §2.4). Here each canary has
+    SHIM_MODES modes, each a fixed offset N(0, σ_mode) per (position, token) coordinate; a simulated day
+    draws the mode mix (Dirichlet(1)); each probe takes a mode from its day's mix, plus iid jitter. The
+    chosen token and the same token among the top-k move together. Tokens never change, so the shim has no
+    greedy flips and leaves the text-only methods as they are.
+    """
+
+    def __init__(self, sigma_mode: float, rng: random.Random) -> None:
+        self.sigma = sigma_mode
+        self.rng = rng
+        self.offsets: dict[tuple[str, int, int, str], float] = {}
+
+    def day(self) -> list[float]:
+        weights = [self.rng.gammavariate(1.0, 1.0) for _ in range(SHIM_MODES)]
+        return [w / sum(weights) for w in weights]
+
+    def __call__(self, obs: Observation, mix: Sequence[float]) -> Observation:
+        mode = self.rng.choices(range(SHIM_MODES), weights=mix)[0]
+        moved: dict[tuple[int, str], float] = {}
+
+        def shift(pos: int, token: str) -> float:
+            if (pos, token) not in moved:
+                key = (obs.canary_id, mode, pos, token)
+                if key not in self.offsets:
+                    self.offsets[key] = self.rng.gauss(0.0, self.sigma)
+                moved[(pos, token)] = self.offsets[key] + self.rng.gauss(0.0, SHIM_JITTER * self.sigma)
+            return moved[(pos, token)]
+
+        # a logprob stays ≤ 0: a near-certain token's noise is one-sided
+        tokens = [
+            replace(
+                t,
+                logprob=min(0.0, t.logprob + shift(i, t.token)),
+                top=tuple((x, min(0.0, v + shift(i, x))) for x, v in t.top),
+            )
+            for i, t in enumerate(obs.tokens)
+        ]
+        return replace(obs, tokens=tokens)

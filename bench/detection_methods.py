@@ -1,0 +1,295 @@
+"""The detection bench's methods: each turns what a server gave into test outcomes at every budget.
+
+A method is a function ``(reference, served, settings, alpha, rng) -> {r: [Outcome, ...]}``: for each
+budget r (r requests per canary or prompt, so C·r requests per test on the tested server), one Outcome per
+Monte-Carlo trial: whether the test rejected at the per-test false-alarm rate alpha, and a score (higher:
+more evidence of a change; floats or tuples, compared in order) for the ROC AUC. Every trial draws its
+requests from the pools the servers gave, so all methods see the same servers at the same budget.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from bench.detection_lab import MAX_TOKENS, SHIM_CAL_DAYS, Served, Shim
+from bench.peers import lt_test, met_test
+from canaryd.canaries import Canary
+from canaryd.config import CompareConfig
+from canaryd.judge.compare import Comparison, compare, decide
+from canaryd.judge.sampled import answer, answer_test
+from canaryd.judge.stats import DetectorState, NoiseModel, fit
+from canaryd.observation import Observation
+
+
+@dataclass(frozen=True)
+class Rule:
+    """``decide``'s knobs for one test."""
+
+    min_out: int | None  # None: `decide` derives it from arl (`stats.min_out_for`), as the daemon does
+    arl: float
+
+
+def alpha_rule(alpha: float, r: int, k: int, c: int) -> Rule:
+    """Knobs under which every test of up to r cycles false-alarms with probability ≤ alpha: the e-CUSUM
+    threshold 2r/alpha (Ville plus a union bound over the r starts: ≤ alpha/2) and the smallest min_out m
+    with r·C(c, m)/(k+1)^m ≤ alpha/2 (an honest canary is out with probability ≤ 1/(k+1))."""
+    q = 1 / (k + 1)
+    m = next((m for m in range(1, c + 1) if r * math.comb(c, m) * q**m <= alpha / 2), c + 1)
+    return Rule(m, 2 * r / alpha)
+
+
+DEFAULT_RULE = Rule(CompareConfig().min_out, CompareConfig().arl)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    reject: bool
+    score: object
+
+
+@dataclass
+class Reference:
+    """The baseline server's side: canaryd's calibration and baseline, the peers' reference samples."""
+
+    canaries: list[Canary]
+    calibration: dict[str, list[Observation]]
+    models: dict[str, NoiseModel]
+    baseline: dict[str, Observation]
+    samples: dict[str, list[Observation]]
+    lt: list[Observation]
+    k: int
+
+
+Method = Callable[[Reference, Served, object, float, random.Random], dict[int, list[Outcome]]]
+
+
+def permutations_for(level: float) -> int:
+    """Enough permutations that a p-value can fall to half the level."""
+    return max(999, math.ceil(2 / level) - 1)
+
+
+def draw(pool: Sequence, r: int, rng: random.Random) -> list:
+    return rng.sample(list(pool), r) if r <= len(pool) else rng.choices(pool, k=r)
+
+
+# -- canaryd, as shipped ----------------------------------------------------------------------------------
+def judge(canary: Canary, base: Observation, obs: Observation, model: NoiseModel) -> Comparison:
+    """One probe of a calibrated canary against its baseline: what `probe.judge` computes."""
+    check = canary.expect.check if canary.expect else None
+    return compare(
+        base,
+        obs,
+        correct=check(obs.text or "") if check else None,
+        baseline_correct=check(base.text or "") if check else None,
+        noise=model,
+    )
+
+
+def detector_outcomes(
+    cycles: Sequence[dict[str, Comparison]], rule: Rule, rs: Sequence[int]
+) -> dict[int, Outcome]:
+    """Run `decide` from a fresh detector over the cycles; the test of r cycles is their first r. Score:
+    (alarm on, largest e-CUSUM statistic, canaries out), all up to cycle r."""
+    state, peak, outs, after = DetectorState(), 0.0, 0, {}
+    alarmed = False  # the backend's alarm stays on once raised
+    for j, cycle in enumerate(cycles, 1):
+        ids = list(cycle)
+        d = decide(ids, [cycle[i] for i in ids], state, arl=rule.arl, min_out=rule.min_out)
+        state, peak, outs = d.state, max(peak, d.state.statistic), outs + len(d.out)
+        alarmed = alarmed or state.alarm
+        after[j] = Outcome(alarmed, (alarmed, peak, outs))
+    return {r: after[r] for r in rs}
+
+
+def canaryd_shipped(ref: Reference, served: Served, settings, alpha: float, rng: random.Random) -> dict:
+    """C canaries, r greedy probes each; calibrated `compare` + `decide` with knobs from alpha."""
+    rule = alpha_rule(alpha, max(settings.r_probes), ref.k, len(ref.canaries))
+    judged = {
+        c.id: [judge(c, ref.baseline[c.id], o, ref.models[c.id]) for o in served.greedy[c.id]]
+        for c in ref.canaries
+    }
+    out: dict[int, list[Outcome]] = {r: [] for r in settings.r_probes}
+    longest = max(settings.r_probes)
+    for _ in range(settings.trials):
+        picks = {cid: draw(js, longest, rng) for cid, js in judged.items()}
+        cycles = [{cid: js[j] for cid, js in picks.items()} for j in range(longest)]
+        for r, o in detector_outcomes(cycles, rule, settings.r_probes).items():
+            out[r].append(o)
+    return out
+
+
+def exact_match(ref: Reference, served: Served, settings, alpha: float, rng: random.Random) -> dict:
+    """Text only: any greedy text differs from the baseline's. Score: how many texts differ."""
+    out: dict[int, list[Outcome]] = {r: [] for r in settings.r_probes}
+    longest = max(settings.r_probes)
+    for _ in range(settings.trials):
+        # texts that differ from the baseline's, per cycle of one probe per canary
+        moved = [
+            sum(rng.choice(served.greedy[c.id]).text != ref.baseline[c.id].text for c in ref.canaries)
+            for _ in range(longest)
+        ]
+        for r in settings.r_probes:
+            n = sum(moved[:r])
+            out[r].append(Outcome(n > 0, n))
+    return out
+
+
+# -- text two-sample (canaryd's sampled test) and the peers ----------------------------------------------
+def two_sample_text(ref: Reference, served: Served, settings, alpha: float, rng: random.Random) -> dict:
+    """r answers per prompt at T = 1 against r baseline answers: `sampled.answer_test` (TV distance,
+    permutation p-value) per prompt, Bonferroni over the C prompts. Score: −(Bonferroni p)."""
+    c = len(ref.canaries)
+    level = alpha / c
+    b = permutations_for(level)
+    base = {cid: [answer(o) for o in obs] for cid, obs in ref.samples.items()}
+    cur = {cid: [answer(o) for o in obs] for cid, obs in served.samples.items()}
+    out: dict[int, list[Outcome]] = {}
+    for r in settings.r_samples:
+        out[r] = []
+        for _ in range(settings.trials):
+            tests = [
+                answer_test(draw(base[cid], r, rng), draw(cur[cid], r, rng), level=level, permutations=b)
+                for cid in base
+            ]
+            p = min(1.0, c * min(t.p_value for t in tests))
+            out[r].append(Outcome(any(t.reject for t in tests), -p))
+    return out
+
+
+def lt_row(obs: Observation) -> dict[str, float]:
+    """One LT row: the top-k logprobs of the single generated token."""
+    return dict(obs.tokens[0].top)
+
+
+def lt_method(ref: Reference, served: Served, settings, alpha: float, rng: random.Random) -> dict:
+    """LT at an equal request budget: N = C·r one-token probes per window, against N from the baseline
+    server. Score: −p."""
+    c = len(ref.canaries)
+    npr = np.random.default_rng(rng.getrandbits(63))
+    b = permutations_for(alpha)
+    out: dict[int, list[Outcome]] = {}
+    for r in settings.r_probes:
+        out[r] = []
+        for _ in range(settings.trials):
+            w1 = [lt_row(o) for o in draw(ref.lt, c * r, rng)]
+            w2 = [lt_row(o) for o in draw(served.lt, c * r, rng)]
+            t = lt_test(w1, w2, permutations=b, rng=npr)
+            out[r].append(Outcome(t.p_value <= alpha, -t.p_value))
+    return out
+
+
+class Codes(dict):
+    """Token → integer code, the same across servers (MET compares completions position by position)."""
+
+    def of(self, obs: Observation) -> list[int]:
+        return [self.setdefault(t.token, len(self)) for t in obs.tokens]
+
+
+CODES = Codes()
+
+
+def met_method(ref: Reference, served: Served, settings, alpha: float, rng: random.Random) -> dict:
+    """MET at an equal request budget: r completions per prompt at T = 1 (C prompts, MAX_TOKENS tokens)
+    against r from the baseline server, Hamming MMD² with within-prompt permutations. Score: −p."""
+    npr = np.random.default_rng(rng.getrandbits(63))
+    b = permutations_for(alpha)
+    base = {cid: [CODES.of(o) for o in obs] for cid, obs in ref.samples.items()}
+    cur = {cid: [CODES.of(o) for o in obs] for cid, obs in served.samples.items()}
+    out: dict[int, list[Outcome]] = {}
+    for r in settings.r_samples:
+        out[r] = []
+        for _ in range(settings.trials):
+            s1 = {cid: draw(x, r, rng) for cid, x in base.items()}
+            s2 = {cid: draw(cur[cid], r, rng) for cid in base}
+            t = met_test(s1, s2, MAX_TOKENS, permutations=b, rng=npr)
+            out[r].append(Outcome(t.p_value <= alpha, -t.p_value))
+    return out
+
+
+METHODS: dict[str, Method] = {
+    "canaryd": canaryd_shipped,
+    "exact text match": exact_match,
+    "two-sample text (T=1)": two_sample_text,
+    "LT (top-20, 1 token)": lt_method,
+    "MET (Hamming MMD, T=1)": met_method,
+}
+
+# Rows wired after merging product features built in parallel. Each is a Method like those above; the
+# probes it needs are collected by a function of EXTRA_PROBES under the same name, (backend, canaries,
+# settings) -> {canary id: [Observation]}, and reach the method as ``served.extra[name]`` (the baseline
+# server's as ``reference``-side probes in ``served.extra`` of the baseline run). None: not wired yet; the
+# bench prints the row as such.
+EXTENSIONS: dict[str, Method | None] = {
+    "canaryd teacher-forced": None,  # canaries with a `continuation`, scored from vLLM prompt_logprobs
+    "canaryd reference": None,  # a backend with a `reference` option
+    "canaryd configuration-aware": None,  # F judged against a baseline per serving configuration
+}
+EXTRA_PROBES: dict[str, Callable] = {}
+
+# how many requests (and which kind of request) a test of budget r costs on the tested server
+REQUESTS = {
+    "canaryd": ("greedy", "C·r"),
+    "exact text match": ("greedy", "C·r"),
+    "two-sample text (T=1)": ("sample", "C·r (+C·r reference)"),
+    "LT (top-20, 1 token)": ("lt", "C·r (+C·r reference)"),
+    "MET (Hamming MMD, T=1)": ("sample", "C·r (+C·r reference)"),
+}
+
+
+# -- SYNTHETIC --------------------------------------------------------------------------------------------
+def shim_outcomes(
+    sigma: float, ref: Reference, servers: dict[str, list[Served]], settings, alpha: float, seed: int
+) -> dict[tuple[str, str], dict[int, list[Outcome]]]:
+    """canaryd and LT when every logprob carries SYNTHETIC mode noise of scale sigma (text methods are
+    untouched: the shim never changes a token).
+
+    Each deployment draws fresh mode offsets and a fresh calibration (canaryd's K probes over SHIM_CAL_DAYS
+    days; LT's reference window on one day); each trial is a new day for the tested server."""
+    c = len(ref.canaries)
+    rules = {
+        "canaryd": alpha_rule(alpha, max(settings.r_probes), settings.k, c),
+        f"canaryd (defaults: arl {DEFAULT_RULE.arl:g})": DEFAULT_RULE,
+    }
+    out: dict[tuple[str, str], dict[int, list[Outcome]]] = {}
+    longest = max(settings.r_probes)
+    b = permutations_for(alpha)
+    for d in range(settings.deployments):
+        rng = random.Random(f"{seed}-{sigma}-{d}")
+        npr = np.random.default_rng(rng.getrandbits(63))
+        shim = Shim(sigma, rng)
+        mixes = [shim.day() for _ in range(SHIM_CAL_DAYS)]
+        cal = {
+            cid: [shim(o, mixes[i % SHIM_CAL_DAYS]) for i, o in enumerate(obs)]
+            for cid, obs in ref.calibration.items()
+        }
+        models = {cid: fit(obs) for cid, obs in cal.items()}
+        base = {cid: obs[0] for cid, obs in cal.items()}
+        lt_day = shim.day()
+        for variant, served in servers.items():
+            trials = settings.null_trials if variant == "N0" else settings.trials
+            for t in range(math.ceil(trials / settings.deployments)):
+                s = served[t % len(served)]
+                mix = shim.day()
+                cycles = [
+                    {
+                        cn.id: judge(cn, base[cn.id], shim(rng.choice(s.greedy[cn.id]), mix), models[cn.id])
+                        for cn in ref.canaries
+                    }
+                    for _ in range(longest)
+                ]
+                for name, rule in rules.items():
+                    for r, o in detector_outcomes(cycles, rule, settings.r_probes).items():
+                        out.setdefault((name, variant), {}).setdefault(r, []).append(o)
+                for r in settings.r_probes:
+                    w1 = [lt_row(shim(o, lt_day)) for o in draw(ref.lt, c * r, rng)]
+                    w2 = [lt_row(shim(o, mix)) for o in draw(s.lt, c * r, rng)]
+                    p = lt_test(w1, w2, permutations=b, rng=npr).p_value
+                    out.setdefault(("LT (top-20, 1 token)", variant), {}).setdefault(r, []).append(
+                        Outcome(p <= alpha, -p)
+                    )
+    return out

@@ -1,0 +1,164 @@
+"""The detection bench's figures and tables: power, false alarms, ROC AUC, budgets, and the targets."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from bench.detection_lab import Served
+from bench.detection_methods import REQUESTS, Outcome
+from bench.peers import roc_auc
+
+POWER = 0.95
+TOKEN_TARGET = 48  # LT's budget per test in its paper (28 input + 20 output tokens)
+
+Cells = dict[tuple[str, str], dict[int, list[Outcome]]]  # (method, variant) → budget r → outcomes
+
+
+def power(outcomes: Sequence[Outcome]) -> float:
+    return sum(o.reject for o in outcomes) / len(outcomes)
+
+
+def tokens_per_request(name: str, s: Served) -> float:
+    kind = REQUESTS.get(name, ("greedy", ""))[0]
+    return {"greedy": s.tokens, "sample": s.sample_tokens, "lt": s.lt_tokens}[kind]
+
+
+def figures(cells: Cells, ladder: Sequence[str], c: int, tokens: dict[str, float]) -> dict:
+    """Power, false alarms, AUC (variant vs N0, and the pooled ladder vs N0) and the budget for power 0.95."""
+    out: dict = {"cells": {}, "methods": {}}
+    for (name, variant), by_r in cells.items():
+        null = cells.get((name, "N0"), {})
+        need = next((r for r in sorted(by_r) if power(by_r[r]) >= POWER), None)
+        out["cells"][f"{name} | {variant}"] = {
+            "method": name,
+            "variant": variant,
+            "power": {r: power(x) for r, x in by_r.items()},
+            "hits": {r: sum(o.reject for o in x) for r, x in by_r.items()},
+            "trials": {r: len(x) for r, x in by_r.items()},
+            "auc_vs_n0": {
+                r: roc_auc([o.score for o in x], [o.score for o in null.get(r, [])]) for r, x in by_r.items()
+            },
+            "power_095": None
+            if need is None or variant in ("N0", "F")
+            else {"r": need, "requests": c * need, "tokens": round(c * need * tokens[name])},
+        }
+    for name in dict.fromkeys(n for n, _ in cells):
+        null = cells.get((name, "N0"), {})
+        rs = sorted(null)
+        auc = {
+            r: roc_auc(
+                [o.score for v in ladder for o in cells.get((name, v), {}).get(r, [])],
+                [o.score for o in null[r]],
+            )
+            for r in rs
+        }
+        cheap = [r for r in rs if c * r * tokens[name] <= TOKEN_TARGET]
+        # the smallest budget at which every ladder variant is detected with power 0.95
+        need = next(
+            (r for r in rs if all(power(cells[(name, v)][r]) >= POWER for v in ladder if (name, v) in cells)),
+            None,
+        )
+        out["methods"][name] = {
+            "requests_per_test": REQUESTS.get(name, ("", "C·r"))[1],
+            "tokens_per_request": tokens[name],
+            "tokens_per_test": {r: round(c * r * tokens[name]) for r in rs},
+            "ladder_auc": auc,
+            "ladder_auc_within_token_target": auc[max(cheap)] if cheap else None,
+            "false_alarms_n0": {r: f"{sum(o.reject for o in null[r])}/{len(null[r])}" for r in rs},
+            "ladder_power_095": None
+            if need is None
+            else {"r": need, "requests": c * need, "tokens": round(c * need * tokens[name])},
+        }
+    return out
+
+
+def power_table(cells: Cells, figs: dict, variants: Sequence[str], rs: Sequence[int]) -> str:
+    """Per variant × method: power per budget r (N0 and F: false alarms as hits/trials), and the budget
+    for power 0.95."""
+    head = "| variant | method | " + " | ".join(f"r={r}" for r in rs) + " | power 0.95 at |"
+    lines = [head, "|" + "---|" * (len(rs) + 3)]
+    for variant in variants:
+        for (name, v), by_r in cells.items():
+            if v != variant:
+                continue
+            cellf = figs["cells"][f"{name} | {v}"]
+            row = []
+            for r in rs:
+                x = by_r.get(r)
+                if x is None:
+                    row.append("—")
+                elif v in ("N0", "F"):
+                    row.append(f"{sum(o.reject for o in x)}/{len(x)}")
+                else:
+                    row.append(f"{power(x):.2f}")
+            need = cellf["power_095"]
+            need_s = (
+                "(honest)"
+                if v in ("N0", "F")
+                else "not reached"
+                if need is None
+                else (f"r={need['r']}: {need['requests']} req, {need['tokens']} tok")
+            )
+            lines.append(f"| {v} | {name} | " + " | ".join(row) + f" | {need_s} |")
+    return "\n".join(lines)
+
+
+def method_table(figs: dict, rs: Sequence[int]) -> str:
+    head = (
+        "| method | requests per test | tokens per test (r="
+        + ",".join(map(str, rs))
+        + ") | ladder AUC (r="
+        + ",".join(map(str, rs))
+        + f") | AUC at ≤ {TOKEN_TARGET} tok | false alarms N0 (r="
+        + ",".join(map(str, rs))
+        + ") | all ladder at power 0.95 |"
+    )
+    lines = [head, "|---|---|---|---|---|---|---|"]
+    for name, m in figs["methods"].items():
+        tok = "/".join(str(m["tokens_per_test"].get(r, "—")) for r in rs)
+        auc = "/".join(f"{m['ladder_auc'][r]:.3f}" if r in m["ladder_auc"] else "—" for r in rs)
+        fa = " ".join(m["false_alarms_n0"].get(r, "—") for r in rs)
+        cheap = (
+            "—"
+            if m["ladder_auc_within_token_target"] is None
+            else f"{m['ladder_auc_within_token_target']:.3f}"
+        )
+        need = m["ladder_power_095"]
+        need_s = (
+            "not reached" if need is None else f"r={need['r']}: {need['requests']} req, {need['tokens']} tok"
+        )
+        lines.append(f"| {name} | {m['requests_per_test']} | {tok} | {auc} | {cheap} | {fa} | {need_s} |")
+    return "\n".join(lines)
+
+
+def targets(figs: dict, cells: Cells, tokens: dict[str, float]) -> list[str]:
+    """The issue's targets for canaryd, each with what this run measured (printed, not asserted)."""
+    ours = figs["methods"]["canaryd"]
+    lines = []
+    for variant in ("N0", "F"):
+        by_r = cells.get(("canaryd", variant), {})
+        hits = sum(o.reject for x in by_r.values() for o in x)
+        tests = sum(len(x) for x in by_r.values())
+        lines.append(
+            f"0 false alarms on {variant}: {'met' if hits == 0 else 'NOT met'} ({hits} of {tests} tests)"
+        )
+    cheap = ours["ladder_auc_within_token_target"]
+    lines.append(
+        f"ladder AUC ≥ 0.95 within {TOKEN_TARGET} tokens per test: "
+        + (
+            f"{'met' if cheap >= 0.95 else 'NOT met'} ({cheap:.3f})"
+            if cheap is not None
+            else f"not measurable (one canaryd request costs {tokens['canaryd']:.0f} tokens)"
+        )
+    )
+    for peer in ("LT (top-20, 1 token)", "MET (Hamming MMD, T=1)"):
+        theirs = figs["methods"].get(peer)
+        if theirs is None:
+            continue
+        common = sorted(set(ours["ladder_auc"]) & set(theirs["ladder_auc"]))
+        behind = [r for r in common if ours["ladder_auc"][r] < theirs["ladder_auc"][r]]
+        lines.append(
+            f"ladder AUC ≥ {peer.split()[0]}'s at every equal request budget: "
+            + ("met" if not behind else "NOT met at r = " + ", ".join(map(str, behind)))
+        )
+    return lines
