@@ -10,20 +10,29 @@ uniform and would flatter every method), and then silently changed variants of i
   Q2     4-bit round trip, groups of 32 (`mode="int4"`)
   G<s>   gaussian weight noise of s × each tensor's std, at several scales; the sub-argmax ones leave
          every greedy canary's text unchanged (each is labelled)
-  F      the heterogeneous fleet: an f32 and a bf16 server of the same weights behind a random balancer.
-         Honest for a configuration-aware monitor (every alarm is then false); today's canaryd has one
-         baseline per backend, so the bench reports what it gives and leaves an extension point.
+  F      the heterogeneous fleet: an f32 and a bf16 server of the same weights behind a random balancer,
+         watched by a canaryd deployed on it (calibrated through the balancer: a baseline and noise model
+         per serving configuration), so honest: every canaryd alarm on it is false
+  FQ1    F with its f32 member serving the int8 weights (composed from F's bf16 answers and Q1's): a
+         change inside one configuration of the fleet
 
-The ladder (positives for the ROC AUC) is D1, Q1, Q2 and every G; the negatives are the N0 tests.
+The ladder (positives for the ROC AUC) is D1, Q1, Q2 and every G; the negatives are the N0 tests. The
+baseline server stays up throughout as every variant's reference (the weights they all claim).
 
 Methods, each a test at the per-test false-alarm rate ``--alpha``, at equal request budgets: a budget r
 is r requests per canary or prompt, C·r requests per test on the tested server (C = 6); the token cost
 per test is measured and printed per method (an LT request is a one-token prompt and one output token):
 
   canaryd             as shipped: K calibration probes per canary on the baseline server (alone and in
-                      filler-crowded batches, as ``baseline calibrate`` sends them), `stats.fit`; a test is
-                      r cycles of `compare` + `decide` from a fresh detector, knobs set from alpha
-                      (`detection_methods.alpha_rule`); it detects when the alarm is on.
+                      filler-crowded batches, as ``baseline calibrate`` sends them), `stats.fit` per serving
+                      configuration; a test is r cycles of `compare` + `decide` from a fresh detector, knobs
+                      set from alpha (`detection_methods.alpha_rule`); it detects when the alarm is on.
+  canaryd teacher-forced
+                      six short raw prompts, each scored (vLLM prompt_logprobs) on the continuation the
+                      baseline server gives greedily; calibrated and judged as canaryd is.
+  canaryd reference   canaryd's greedy answers re-scored on the baseline server (`probe.reference`): each
+                      answer's parting from the reference's own, against the reference's own noise,
+                      Bonferroni over the canaries at alpha/R per cycle.
   exact text match    any greedy text differs from the baseline's.
   two-sample text     r answers per prompt at T = 1 against r baseline answers, TV distance with a
                       permutation p-value per prompt (`sampled.answer_test`), Bonferroni over the prompts.
@@ -31,9 +40,6 @@ per test is measured and printed per method (an LT request is a one-token prompt
                       N = C·r requests per window against N from the baseline server, permutation p-value.
   MET                 Model Equality Testing (bench/peers.py): r completions per prompt at T = 1 (12 tokens)
                       against r from the baseline server, prompt-blocked Hamming MMD², permutation p-value.
-
-Rows still to be wired (extension points in bench/detection_methods.py: EXTENSIONS, EXTRA_PROBES):
-"canaryd teacher-forced", "canaryd reference", "canaryd configuration-aware" (for F).
 
 Figures: power at alpha per variant and budget (on N0 and F: false alarms, hits/trials), the ROC AUC of
 each method's test scores, variant against N0, over the ladder, and the budget (requests, tokens) each
@@ -73,15 +79,18 @@ from bench.detection_lab import (  # noqa: E402
     backend_for,
     bench_canaries,
     collect,
+    composed,
+    forced_canaries,
     greedy_probes,
     lt_probes,
+    mean_completion_tokens,
+    reference_checks,
     sampled,
     server,
     trained_model,
 )
 from bench.detection_methods import (  # noqa: E402
     DEFAULT_RULE,
-    EXTENSIONS,
     METHODS,
     Reference,
     alpha_rule,
@@ -99,6 +108,7 @@ from canaryd import log  # noqa: E402
 from canaryd.config import CompareConfig  # noqa: E402
 from canaryd.judge.stats import fit  # noqa: E402
 from canaryd.lab.tinymodel import perturb_weights  # noqa: E402
+from canaryd.stack import configuration_of  # noqa: E402
 
 SHIM_SIGMAS = (0.003, 0.02)  # nats: σ_mode of the synthetic noise
 
@@ -153,8 +163,7 @@ def analyse(
 ) -> Cells:
     """Every method on every server, trials pooled over a variant's servers (N0: over the restarts)."""
     cells: Cells = {}
-    methods = METHODS | {name: m for name, m in EXTENSIONS.items() if m is not None}
-    for name, method in methods.items():
+    for name, method in METHODS.items():
         for variant, served in servers.items():
             for i, s in enumerate(served):
                 rng = random.Random(f"{seed}-{name}-{variant}-{i}")
@@ -166,68 +175,80 @@ def analyse(
 def serve_all(
     canaries: list, model: Path, weights: dict[str, Path], settings: Settings, logs: Path, seed: int
 ) -> tuple[Reference, dict[str, list[Served]], list[int], dict[str, float]]:
-    """Every server of the run, one (or, for the fleet, two) at a time: what each gave."""
+    """Every server of the run, one (or, for the fleet, two) at a time beside the baseline server, which
+    stays up as every variant's reference: what each gave."""
     phases: dict[str, float] = {}
     rng = random.Random(seed)
-    # 1. the baseline server: calibration and baseline texts, reference samples for the peers
+    servers: dict[str, list[Served]] = {}
+    # 1. the baseline server: calibration and baseline texts, the forced canaries, the peers' references
     t = time.perf_counter()
     with server(model, "float32", logs, "baseline") as srv:
-        backend = backend_for(srv.base_url)
+        reference = backend_for(srv.base_url)
         try:
-            calibration = greedy_probes(backend, canaries, settings.k)
+            calibration = greedy_probes(reference, canaries, settings.k)
+            forced = forced_canaries(reference)
             ref = Reference(
                 canaries,
                 calibration,
                 {cid: fit(obs) for cid, obs in calibration.items()},
                 {cid: obs[0] for cid, obs in calibration.items()},
-                sampled(backend, canaries, settings.samples, rng),
-                lt_probes(backend, settings.lt_pool),
+                sampled(reference, canaries, settings.samples, rng),
+                lt_probes(reference, settings.lt_pool),
                 settings.k,
+                forced,
+                greedy_probes(reference, forced, settings.k),
             )
-        finally:
-            backend.close()
-    phases["baseline server"] = time.perf_counter() - t
-    print(
-        f"baseline: {len(canaries)} canaries, K={settings.k} probes each, regimes: "
-        + ", ".join(f"{cid} {m.regime.value}" for cid, m in ref.models.items()),
-        flush=True,
-    )
-
-    servers: dict[str, list[Served]] = {}
-
-    def take(variant: str, base_url: str, startup: float) -> None:
-        backend = backend_for(base_url)
-        try:
-            servers.setdefault(variant, []).append(
-                collect(variant, backend, startup, canaries, settings, rng)
+            phases["baseline server"] = time.perf_counter() - t
+            print(
+                f"baseline: {len(canaries)} canaries, K={settings.k} probes each, regimes: "
+                + ", ".join(f"{cid} {m.regime.value}" for cid, m in ref.models.items())
+                + f"; forced: {', '.join(f'{c.prompt!r} → {c.continuation!r}' for c in forced)}",
+                flush=True,
             )
+
+            def take(variant: str, base_url: str, startup: float, deployed_here: bool = False) -> None:
+                """Probe a server; ``deployed_here``: canaryd also calibrates on it (the fleet)."""
+                backend = backend_for(base_url)
+                try:
+                    s = collect(variant, backend, startup, canaries, forced, settings, rng)
+                    if deployed_here:
+                        s.extra["calibration"] = greedy_probes(backend, canaries, settings.k)
+                        s.extra["forced calibration"] = greedy_probes(backend, forced, settings.k)
+                    ref.checks.update(reference_checks(reference, canaries, s.greedy))
+                    servers.setdefault(variant, []).append(s)
+                finally:
+                    backend.close()
+
+            # 2. an honest restart and the bf16 server together, and the fleet (both behind a balancer)
+            t = time.perf_counter()
+            with (
+                server(model, "float32", logs, "N0-0") as f32,
+                server(model, "bfloat16", logs, "D1") as bf16,
+            ):
+                take("N0", f32.base_url, f32.startup_seconds or 0.0)
+                take("D1", bf16.base_url, bf16.startup_seconds or 0.0)
+                with Balancer([f32.base_url, bf16.base_url], seed=seed) as lb:
+                    take("F", lb.base_url, 0.0, deployed_here=True)
+                    fleet_hits = lb.hits
+            phases["N0, D1 and F servers"] = time.perf_counter() - t
+            print(
+                f"N0, D1, F: served and probed in {phases['N0, D1 and F servers']:.0f} s "
+                f"(F split {fleet_hits})",
+                flush=True,
+            )
+
+            # 3. the other variants, one server at a time
+            plan = [("N0", model, "float32")] * (settings.restarts - 1) + [
+                (v, w, "float32") for v, w in weights.items()
+            ]
+            for i, (variant, w, dtype) in enumerate(plan, 1):
+                t = time.perf_counter()
+                with server(w, dtype, logs, f"{variant}-{i}") as srv:
+                    take(variant, srv.base_url, srv.startup_seconds or 0.0)
+                phases[f"{variant} server {i}"] = time.perf_counter() - t
+                print(f"{variant}: served and probed in {phases[f'{variant} server {i}']:.0f} s", flush=True)
         finally:
-            backend.close()
-
-    # 2. an honest restart and the bf16 server together, and the fleet (both behind a random balancer)
-    t = time.perf_counter()
-    with server(model, "float32", logs, "N0-0") as f32, server(model, "bfloat16", logs, "D1") as bf16:
-        take("N0", f32.base_url, f32.startup_seconds or 0.0)
-        take("D1", bf16.base_url, bf16.startup_seconds or 0.0)
-        with Balancer([f32.base_url, bf16.base_url], seed=seed) as lb:
-            take("F", lb.base_url, 0.0)
-            fleet_hits = lb.hits
-    phases["N0, D1 and F servers"] = time.perf_counter() - t
-    print(
-        f"N0, D1, F: served and probed in {phases['N0, D1 and F servers']:.0f} s (F split {fleet_hits})",
-        flush=True,
-    )
-
-    # 3. the other variants, one server at a time
-    plan = [("N0", model, "float32")] * (settings.restarts - 1) + [
-        (v, w, "float32") for v, w in weights.items()
-    ]
-    for i, (variant, w, dtype) in enumerate(plan, 1):
-        t = time.perf_counter()
-        with server(w, dtype, logs, f"{variant}-{i}") as srv:
-            take(variant, srv.base_url, srv.startup_seconds or 0.0)
-        phases[f"{variant} server {i}"] = time.perf_counter() - t
-        print(f"{variant}: served and probed in {phases[f'{variant} server {i}']:.0f} s", flush=True)
+            reference.close()
     return ref, servers, fleet_hits, phases
 
 
@@ -285,6 +306,9 @@ def main() -> None:
             with args.probes.open("wb") as f:
                 pickle.dump((ref, servers, fleet_hits, serving_phases), f)
     phases |= serving_phases
+    # FQ1: the fleet with its float32 member replaced by the int8 server (same configuration, other weights)
+    f32 = configuration_of(ref.baseline[canaries[0].id].stack)
+    servers["FQ1"] = [composed("FQ1", servers["F"][0], f32, servers["Q1"][0])]
     g_text = {
         v: sorted(
             c.id for c in canaries if any(o.text != ref.baseline[c.id].text for o in ss[0].greedy[c.id])
@@ -293,10 +317,12 @@ def main() -> None:
     }
 
     # 4. the figures: real, then SYNTHETIC (one process per σ_mode: the servers are gone)
-    order = ["N0", "F", "D1", "Q1", "Q2", *(f"G{s:g}" for s in settings.g_scales)]
-    ladder = [v for v in order if v not in ("N0", "F")]
+    order = ["N0", "F", "FQ1", "D1", "Q1", "Q2", *(f"G{s:g}" for s in settings.g_scales)]
+    ladder = [v for v in order if v not in ("N0", "F", "FQ1")]
     c = len(canaries)
     tokens = {name: tokens_per_request(name, servers["N0"][0]) for name in METHODS}
+    # the answer tokens a reference check scores per request (Token-DiFR counts these)
+    scored = mean_completion_tokens([o for obs in servers["N0"][0].greedy.values() for o in obs])
     t = time.perf_counter()
     real = analyse(ref, servers, settings, args.alpha, args.seed)
     real_figs = figures(real, ladder, c, tokens)
@@ -337,9 +363,11 @@ def main() -> None:
         + ", ".join(f"{v} {', '.join(x) or 'none'}" for v, x in g_text.items() if v not in ("N0",))
     )
     print(f"F: random balancer over f32 + bf16 servers, requests split {fleet_hits}")
-    unwired = [name for name, m in EXTENSIONS.items() if m is None]
-    if unwired:
-        print(f"not wired yet (extension points): {', '.join(unwired)}")
+    print(
+        "F and FQ1 are watched by a canaryd deployed on the balancer (calibrated through it: a baseline and "
+        "model per serving configuration); FQ1 = F with its f32 member serving the int8 weights (F's bf16 "
+        "answers + Q1's); every other variant by one deployed on the baseline server"
+    )
     print()
     print("REAL (vLLM CPU; noise floor 0, exact regime): power per budget; N0 and F rows: false alarms")
     print(power_table(real, real_figs, order, rs))
@@ -348,7 +376,7 @@ def main() -> None:
     print(method_table(real_figs, rs))
     print()
     print("targets (canaryd, REAL):")
-    print("\n".join(f"- {line}" for line in targets(real_figs, real, tokens)))
+    print("\n".join(f"- {line}" for line in targets(real_figs, real, tokens, c, scored)))
     for sigma in SHIM_SIGMAS:
         print()
         print(
@@ -361,7 +389,7 @@ def main() -> None:
         print(f"SYNTHETIC σ_mode = {sigma:g}, per method")
         print(method_table(shim_figs[sigma], settings.r_probes))
         print(f"targets (canaryd, SYNTHETIC σ_mode = {sigma:g}):")
-        print("\n".join(f"- {line}" for line in targets(shim_figs[sigma], shim[sigma], tokens)))
+        print("\n".join(f"- {line}" for line in targets(shim_figs[sigma], shim[sigma], tokens, c, scored)))
     print()
     print(f"wall time {wall:.0f} s: " + ", ".join(f"{k} {v:.0f} s" for k, v in phases.items()))
     print(f"vLLM logs: {logs}")
@@ -381,13 +409,12 @@ def main() -> None:
             "ladder": ladder,
             "text_changed": g_text,
             "fleet_split": fleet_hits,
-            "not_wired": unwired,
             "tokens_per_request": tokens,
             "startup_s": {v: [s.startup_s for s in ss] for v, ss in servers.items()},
             "real": real_figs,
-            "targets": {"real": targets(real_figs, real, tokens)}
+            "targets": {"real": targets(real_figs, real, tokens, c, scored)}
             | {
-                f"synthetic {sigma:g}": targets(shim_figs[sigma], shim[sigma], tokens)
+                f"synthetic {sigma:g}": targets(shim_figs[sigma], shim[sigma], tokens, c, scored)
                 for sigma in SHIM_SIGMAS
             },
             "synthetic": {

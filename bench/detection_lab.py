@@ -21,7 +21,9 @@ from canaryd.config import CompareConfig
 from canaryd.lab.tinymodel import build_tiny_model
 from canaryd.lab.vllm_process import VLLMServer, free_port
 from canaryd.observation import Observation
+from canaryd.probe.reference import Check, check_one
 from canaryd.probe.shapes import shape_of
+from canaryd.stack import configuration_of
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE = REPO / ".cache" / "bench-models"
@@ -53,7 +55,9 @@ class Served:
     sample_tokens: float
     lt_tokens: float
     startup_s: float
-    # probes of rows wired later (e.g. teacher-forced or reference canaries), by row name
+    forced_tokens: float = 0.0  # per teacher-forced request
+    # "forced": the forced canaries' probes; on the fleet also "calibration" and "forced calibration", the
+    # probes a canaryd deployed on the balancer calibrates from
     extra: dict[str, dict[str, list[Observation]]] = field(default_factory=dict)
 
 
@@ -71,6 +75,41 @@ def bench_canaries() -> list[Canary]:
 LT_CANARY = Canary(
     id="lt-x", prompt="x", decoding=Decoding(max_tokens=1, top_logprobs=20, temperature=0.0), suite="bench"
 )
+
+
+# Teacher-forced canaries: short raw prompts (no chat template), each scored on a fixed continuation of
+# FORCED_CHARS characters, so one request is a few tokens and a test of C = 6 at r = 1 fits in 48
+FORCED_PROMPTS = ("x", "2+3", "H2O", "Pa", "7*6", "To")
+FORCED_CHARS = 3
+
+
+def forced_canaries(backend: Backend) -> list[Canary]:
+    """One forced canary per FORCED_PROMPTS, its continuation what ``backend`` (the baseline server) answers
+    greedily: the known answer every other server's scoring of it is compared with."""
+    out = []
+    for i, prompt in enumerate(FORCED_PROMPTS):
+        decoding = Decoding(max_tokens=FORCED_CHARS, top_logprobs=5, temperature=0.0)
+        canary = Canary(id=f"forced-{i}", prompt=prompt, decoding=decoding, suite="bench")
+        text = ok([backend.probe(canary)], canary.id)[0].text
+        if not text:
+            raise SystemExit(f"detection bench: the baseline server answers {prompt!r} with nothing")
+        out.append(canary.model_copy(update={"continuation": text}))
+    return out
+
+
+def reference_checks(
+    reference: Backend, canaries: Sequence[Canary], greedy: dict[str, list[Observation]]
+) -> dict[tuple[str, str], Check]:
+    """The reference check (`canaryd.probe.reference.check_one`) of every distinct greedy answer."""
+    todo = {(c.id, o.text or ""): (c, o) for c in canaries for o in greedy[c.id]}
+    with ThreadPoolExecutor(CONCURRENCY) as pool:
+        checks = dict(
+            zip(todo, pool.map(lambda item: check_one(reference, *item), todo.values()), strict=True)
+        )
+    bad = [(key, c.error) for key, c in checks.items() if c.error is not None or c.parting is None]
+    if bad:
+        raise SystemExit(f"detection bench: {len(bad)} reference check(s) failed, e.g. {bad[0]}")
+    return checks
 
 
 def trained_model(canaries: Sequence[Canary]) -> Path:
@@ -219,12 +258,23 @@ def mean_tokens(observations: Sequence[Observation]) -> float:
     return statistics.fmean((o.prompt_tokens or 0) + (o.completion_tokens or 0) for o in observations)
 
 
+def mean_completion_tokens(observations: Sequence[Observation]) -> float:
+    return statistics.fmean(o.completion_tokens or 0 for o in observations)
+
+
 def collect(
-    variant: str, backend: Backend, startup_s: float, canaries: Sequence[Canary], settings, rng: random.Random
+    variant: str,
+    backend: Backend,
+    startup_s: float,
+    canaries: Sequence[Canary],
+    forced: Sequence[Canary],
+    settings,
+    rng: random.Random,
 ) -> Served:
     greedy = greedy_probes(backend, canaries, settings.pool)
     samples = sampled(backend, canaries, settings.samples, rng)
     lt = lt_probes(backend, settings.lt_pool)
+    scored = greedy_probes(backend, forced, settings.pool)
     return Served(
         variant,
         greedy,
@@ -234,6 +284,29 @@ def collect(
         mean_tokens([o for obs in samples.values() for o in obs]),
         mean_tokens(lt),
         startup_s,
+        mean_tokens([o for obs in scored.values() for o in obs]),
+        {"forced": scored},
+    )
+
+
+def composed(variant: str, fleet: Served, drop: str, joined: Served) -> Served:
+    """A fleet whose member serving configuration ``drop`` was replaced by ``joined``'s server (the same
+    configuration, other weights): the fleet's answers from its other members plus every answer ``joined``
+    gave, in every pool, so each method sees it at the same budget; deployed on the fleet as before."""
+
+    def mix(a: list[Observation], b: list[Observation]) -> list[Observation]:
+        return [o for o in a if configuration_of(o.stack) != drop] + b
+
+    def pools(a: dict[str, list[Observation]], b: dict[str, list[Observation]]) -> dict:
+        return {cid: mix(a[cid], b[cid]) for cid in a}
+
+    return replace(
+        fleet,
+        variant=variant,
+        greedy=pools(fleet.greedy, joined.greedy),
+        samples=pools(fleet.samples, joined.samples),
+        lt=mix(fleet.lt, joined.lt),
+        extra=fleet.extra | {"forced": pools(fleet.extra["forced"], joined.extra["forced"])},
     )
 
 

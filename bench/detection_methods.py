@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -20,10 +20,14 @@ from bench.detection_lab import MAX_TOKENS, SHIM_CAL_DAYS, Served, Shim
 from bench.peers import lt_test, met_test
 from canaryd.canaries import Canary
 from canaryd.config import CompareConfig
+from canaryd.judge import reference
 from canaryd.judge.compare import Comparison, compare, decide
 from canaryd.judge.sampled import answer, answer_test
 from canaryd.judge.stats import DetectorState, NoiseModel, fit
 from canaryd.observation import Observation
+from canaryd.probe.calibrate import MIN_PROBES
+from canaryd.probe.reference import Check
+from canaryd.stack import configuration_of
 
 
 @dataclass(frozen=True)
@@ -54,7 +58,9 @@ class Outcome:
 
 @dataclass
 class Reference:
-    """The baseline server's side: canaryd's calibration and baseline, the peers' reference samples."""
+    """The baseline server's side: canaryd's calibration and baseline, the peers' reference samples, the
+    forced canaries' calibration, and the reference checks of every answer any server gave (the baseline
+    server is the reference: the weights and precision every variant claims)."""
 
     canaries: list[Canary]
     calibration: dict[str, list[Observation]]
@@ -63,6 +69,9 @@ class Reference:
     samples: dict[str, list[Observation]]
     lt: list[Observation]
     k: int
+    forced: list[Canary] = field(default_factory=list)
+    forced_calibration: dict[str, list[Observation]] = field(default_factory=dict)
+    checks: dict[tuple[str, str], Check] = field(default_factory=dict)  # (canary id, answer) → its check
 
 
 Method = Callable[[Reference, Served, object, float, random.Random], dict[int, list[Outcome]]]
@@ -106,20 +115,91 @@ def detector_outcomes(
     return {r: after[r] for r in rs}
 
 
-def canaryd_shipped(ref: Reference, served: Served, settings, alpha: float, rng: random.Random) -> dict:
-    """C canaries, r greedy probes each; calibrated `compare` + `decide` with knobs from alpha."""
-    rule = alpha_rule(alpha, max(settings.r_probes), ref.k, len(ref.canaries))
-    judged = {
-        c.id: [judge(c, ref.baseline[c.id], o, ref.models[c.id]) for o in served.greedy[c.id]]
-        for c in ref.canaries
-    }
+Known = dict[str, dict[str, tuple[Observation, NoiseModel]]]  # canary → configuration → (baseline, model)
+
+
+def deployment(calibration: dict[str, list[Observation]]) -> Known:
+    """What ``baseline calibrate`` keeps of these probes: per canary and serving configuration (in the order
+    they first answered), the first probe as the baseline and a noise model; a configuration with fewer
+    than MIN_PROBES probes gets none, as in canaryd."""
+    known: Known = {}
+    for cid, obs in calibration.items():
+        groups: dict[str, list[Observation]] = {}
+        for o in obs:
+            groups.setdefault(configuration_of(o.stack), []).append(o)
+        known[cid] = {cfg: (g[0], fit(g)) for cfg, g in groups.items() if len(g) >= MIN_PROBES}
+    return known
+
+
+def judged(canary: Canary, known: Known, obs: Observation) -> Comparison:
+    """A probe against its own configuration's baseline and model; a configuration the deployment never
+    saw against the first one. That is canaryd's rule for a pass no known configuration served (a server
+    replaced whole), which every single-server variant is: the bench's passes never mix known and new."""
+    per = known[canary.id]
+    base, model = per.get(configuration_of(obs.stack), next(iter(per.values())))
+    return judge(canary, base, obs, model)
+
+
+def detector_method(
+    canaries: Sequence[Canary],
+    known: Known,
+    pools: dict[str, list[Observation]],
+    settings,
+    alpha: float,
+    rng: random.Random,
+) -> dict:
+    """C canaries, r probes each, drawn from the pools; calibrated `compare` + `decide`, knobs from alpha."""
+    k = min(len(model.loo) for per in known.values() for _, model in per.values())
+    rule = alpha_rule(alpha, max(settings.r_probes), k, len(canaries))
+    comparisons = {c.id: [judged(c, known, o) for o in pools[c.id]] for c in canaries}
     out: dict[int, list[Outcome]] = {r: [] for r in settings.r_probes}
     longest = max(settings.r_probes)
     for _ in range(settings.trials):
-        picks = {cid: draw(js, longest, rng) for cid, js in judged.items()}
+        picks = {cid: draw(js, longest, rng) for cid, js in comparisons.items()}
         cycles = [{cid: js[j] for cid, js in picks.items()} for j in range(longest)]
         for r, o in detector_outcomes(cycles, rule, settings.r_probes).items():
             out[r].append(o)
+    return out
+
+
+def canaryd_shipped(ref: Reference, served: Served, settings, alpha: float, rng: random.Random) -> dict:
+    """canaryd as shipped, deployed where the variant is served: on the baseline server, or (the fleet) on
+    the balancer, calibrated through it, a baseline and model per serving configuration."""
+    known = deployment(served.extra.get("calibration", ref.calibration))
+    return detector_method(ref.canaries, known, served.greedy, settings, alpha, rng)
+
+
+def canaryd_forced(ref: Reference, served: Served, settings, alpha: float, rng: random.Random) -> dict:
+    """Teacher-forced canaries: short raw prompts whose fixed continuation (the baseline server's own greedy
+    answer) is scored by prompt_logprobs; calibrated and judged like any canary."""
+    known = deployment(served.extra.get("forced calibration", ref.forced_calibration))
+    return detector_method(ref.forced, known, served.extra["forced"], settings, alpha, rng)
+
+
+def canaryd_reference(ref: Reference, served: Served, settings, alpha: float, rng: random.Random) -> dict:
+    """The reference check: each greedy answer re-scored on the reference (the baseline server: the weights
+    the variant claims), its parting from the reference's own answer tested against the reference's own
+    (`canaryd.judge.reference`), Bonferroni over the canaries at alpha / R per cycle (a union bound over a
+    test's up to R cycles). Score: (alarm on, largest parting)."""
+    longest = max(settings.r_probes)
+    tolerance = CompareConfig().logprob_tolerance
+    out: dict[int, list[Outcome]] = {r: [] for r in settings.r_probes}
+    for _ in range(settings.trials):
+        alarmed, peak, after = False, 0.0, {}
+        for j in range(1, longest + 1):
+            picks = {c.id: rng.choice(served.greedy[c.id]).text or "" for c in ref.canaries}
+            checks = {cid: ref.checks[(cid, text)] for cid, text in picks.items()}
+            null = [x.noise for x in checks.values() if x.noise is not None]
+            p = {
+                cid: reference.p_value(x.parting, null, tolerance)
+                for cid, x in checks.items()
+                if x.parting is not None
+            }
+            alarmed = alarmed or reference.decide(p, alpha / longest).mismatch
+            peak = max(peak, *(x.parting or 0.0 for x in checks.values()))
+            after[j] = Outcome(alarmed, (alarmed, peak))
+        for r in settings.r_probes:
+            out[r].append(after[r])
     return out
 
 
@@ -213,27 +293,20 @@ def met_method(ref: Reference, served: Served, settings, alpha: float, rng: rand
 
 METHODS: dict[str, Method] = {
     "canaryd": canaryd_shipped,
+    "canaryd teacher-forced": canaryd_forced,
+    "canaryd reference": canaryd_reference,
     "exact text match": exact_match,
     "two-sample text (T=1)": two_sample_text,
     "LT (top-20, 1 token)": lt_method,
     "MET (Hamming MMD, T=1)": met_method,
 }
 
-# Rows wired after merging product features built in parallel. Each is a Method like those above; the
-# probes it needs are collected by a function of EXTRA_PROBES under the same name, (backend, canaries,
-# settings) -> {canary id: [Observation]}, and reach the method as ``served.extra[name]`` (the baseline
-# server's as ``reference``-side probes in ``served.extra`` of the baseline run). None: not wired yet; the
-# bench prints the row as such.
-EXTENSIONS: dict[str, Method | None] = {
-    "canaryd teacher-forced": None,  # canaries with a `continuation`, scored from vLLM prompt_logprobs
-    "canaryd reference": None,  # a backend with a `reference` option
-    "canaryd configuration-aware": None,  # F judged against a baseline per serving configuration
-}
-EXTRA_PROBES: dict[str, Callable] = {}
 
 # how many requests (and which kind of request) a test of budget r costs on the tested server
 REQUESTS = {
     "canaryd": ("greedy", "C·r"),
+    "canaryd teacher-forced": ("forced", "C·r"),
+    "canaryd reference": ("greedy", "C·r (+5·C·r on the reference)"),
     "exact text match": ("greedy", "C·r"),
     "two-sample text (T=1)": ("sample", "C·r (+C·r reference)"),
     "LT (top-20, 1 token)": ("lt", "C·r (+C·r reference)"),
@@ -242,6 +315,15 @@ REQUESTS = {
 
 
 # -- SYNTHETIC --------------------------------------------------------------------------------------------
+def shimmed_deployment(
+    shim: Shim, mixes: Sequence[Sequence[float]], probes: dict[str, list[Observation]]
+) -> Known:
+    """A deployment calibrated on these probes as the shim moves them, spread over the simulated days."""
+    return deployment(
+        {cid: [shim(o, mixes[i % SHIM_CAL_DAYS]) for i, o in enumerate(obs)] for cid, obs in probes.items()}
+    )
+
+
 def shim_outcomes(
     sigma: float, ref: Reference, servers: dict[str, list[Served]], settings, alpha: float, seed: int
 ) -> dict[tuple[str, str], dict[int, list[Outcome]]]:
@@ -251,10 +333,6 @@ def shim_outcomes(
     Each deployment draws fresh mode offsets and a fresh calibration (canaryd's K probes over SHIM_CAL_DAYS
     days; LT's reference window on one day); each trial is a new day for the tested server."""
     c = len(ref.canaries)
-    rules = {
-        "canaryd": alpha_rule(alpha, max(settings.r_probes), settings.k, c),
-        f"canaryd (defaults: arl {DEFAULT_RULE.arl:g})": DEFAULT_RULE,
-    }
     out: dict[tuple[str, str], dict[int, list[Outcome]]] = {}
     longest = max(settings.r_probes)
     b = permutations_for(alpha)
@@ -263,23 +341,24 @@ def shim_outcomes(
         npr = np.random.default_rng(rng.getrandbits(63))
         shim = Shim(sigma, rng)
         mixes = [shim.day() for _ in range(SHIM_CAL_DAYS)]
-        cal = {
-            cid: [shim(o, mixes[i % SHIM_CAL_DAYS]) for i, o in enumerate(obs)]
-            for cid, obs in ref.calibration.items()
-        }
-        models = {cid: fit(obs) for cid, obs in cal.items()}
-        base = {cid: obs[0] for cid, obs in cal.items()}
+        deployed: dict[int, Known] = {}  # by id of the calibration probes: the baseline server's, the fleet's
         lt_day = shim.day()
         for variant, served in servers.items():
             trials = settings.null_trials if variant == "N0" else settings.trials
             for t in range(math.ceil(trials / settings.deployments)):
                 s = served[t % len(served)]
+                probes = s.extra.get("calibration", ref.calibration)
+                if id(probes) not in deployed:
+                    deployed[id(probes)] = shimmed_deployment(shim, mixes, probes)
+                known = deployed[id(probes)]
+                k = min(len(model.loo) for per in known.values() for _, model in per.values())
+                rules = {
+                    "canaryd": alpha_rule(alpha, longest, k, c),
+                    f"canaryd (defaults: arl {DEFAULT_RULE.arl:g})": DEFAULT_RULE,
+                }
                 mix = shim.day()
                 cycles = [
-                    {
-                        cn.id: judge(cn, base[cn.id], shim(rng.choice(s.greedy[cn.id]), mix), models[cn.id])
-                        for cn in ref.canaries
-                    }
+                    {cn.id: judged(cn, known, shim(rng.choice(s.greedy[cn.id]), mix)) for cn in ref.canaries}
                     for _ in range(longest)
                 ]
                 for name, rule in rules.items():

@@ -10,6 +10,7 @@ from bench.peers import roc_auc
 
 POWER = 0.95
 TOKEN_TARGET = 48  # LT's budget per test in its paper (28 input + 20 output tokens)
+SCORED_TARGET = 300  # Token-DiFR: 4-bit quantisation at AUC > 0.999 within 300 scored tokens
 
 Cells = dict[tuple[str, str], dict[int, list[Outcome]]]  # (method, variant) → budget r → outcomes
 
@@ -20,7 +21,7 @@ def power(outcomes: Sequence[Outcome]) -> float:
 
 def tokens_per_request(name: str, s: Served) -> float:
     kind = REQUESTS.get(name, ("greedy", ""))[0]
-    return {"greedy": s.tokens, "sample": s.sample_tokens, "lt": s.lt_tokens}[kind]
+    return {"greedy": s.tokens, "sample": s.sample_tokens, "lt": s.lt_tokens, "forced": s.forced_tokens}[kind]
 
 
 def figures(cells: Cells, ladder: Sequence[str], c: int, tokens: dict[str, float]) -> dict:
@@ -131,26 +132,35 @@ def method_table(figs: dict, rs: Sequence[int]) -> str:
     return "\n".join(lines)
 
 
-def targets(figs: dict, cells: Cells, tokens: dict[str, float]) -> list[str]:
-    """The issue's targets for canaryd, each with what this run measured (printed, not asserted)."""
+def targets(figs: dict, cells: Cells, tokens: dict[str, float], c: int, scored: float) -> list[str]:
+    """The issue's targets for canaryd, each with what this run measured (printed, not asserted).
+
+    ``c``: canaries per cycle; ``scored``: the answer tokens per greedy request, what a reference check
+    scores (Token-DiFR's unit)."""
     ours = figs["methods"]["canaryd"]
     lines = []
-    for variant in ("N0", "F"):
-        by_r = cells.get(("canaryd", variant), {})
-        hits = sum(o.reject for x in by_r.values() for o in x)
-        tests = sum(len(x) for x in by_r.values())
+    for name in ("canaryd", "canaryd teacher-forced"):
+        for variant in ("N0", "F"):
+            by_r = cells.get((name, variant), {})
+            hits = sum(o.reject for x in by_r.values() for o in x)
+            tests = sum(len(x) for x in by_r.values())
+            if tests:
+                lines.append(
+                    f"{name}: 0 false alarms on {variant}: {'met' if hits == 0 else 'NOT met'} "
+                    f"({hits} of {tests} tests)"
+                )
+    for name in ("canaryd", "canaryd teacher-forced"):
+        if name not in figs["methods"]:
+            continue
+        cheap = figs["methods"][name]["ladder_auc_within_token_target"]
         lines.append(
-            f"0 false alarms on {variant}: {'met' if hits == 0 else 'NOT met'} ({hits} of {tests} tests)"
+            f"{name}: ladder AUC ≥ 0.95 within {TOKEN_TARGET} tokens per test: "
+            + (
+                f"{'met' if cheap >= 0.95 else 'NOT met'} ({cheap:.3f})"
+                if cheap is not None
+                else f"not measurable (one request costs {tokens[name]:.0f} tokens)"
+            )
         )
-    cheap = ours["ladder_auc_within_token_target"]
-    lines.append(
-        f"ladder AUC ≥ 0.95 within {TOKEN_TARGET} tokens per test: "
-        + (
-            f"{'met' if cheap >= 0.95 else 'NOT met'} ({cheap:.3f})"
-            if cheap is not None
-            else f"not measurable (one canaryd request costs {tokens['canaryd']:.0f} tokens)"
-        )
-    )
     for peer in ("LT (top-20, 1 token)", "MET (Hamming MMD, T=1)"):
         theirs = figs["methods"].get(peer)
         if theirs is None:
@@ -158,7 +168,22 @@ def targets(figs: dict, cells: Cells, tokens: dict[str, float]) -> list[str]:
         common = sorted(set(ours["ladder_auc"]) & set(theirs["ladder_auc"]))
         behind = [r for r in common if ours["ladder_auc"][r] < theirs["ladder_auc"][r]]
         lines.append(
-            f"ladder AUC ≥ {peer.split()[0]}'s at every equal request budget: "
+            f"canaryd: ladder AUC ≥ {peer.split()[0]}'s at every equal request budget: "
             + ("met" if not behind else "NOT met at r = " + ", ".join(map(str, behind)))
+        )
+    for variant in ("Q2", "Q1"):
+        cell = figs["cells"].get(f"canaryd reference | {variant}")
+        if cell is None:
+            continue
+        fits = [r for r in cell["auc_vs_n0"] if c * r * scored <= SCORED_TARGET]
+        if not fits:
+            lines.append(f"reference check on {variant} within {SCORED_TARGET} scored tokens: not measurable")
+            continue
+        r = max(fits)
+        auc = cell["auc_vs_n0"][r]
+        lines.append(
+            f"reference check catches {variant} at AUC ≥ 0.999 within {SCORED_TARGET} scored tokens: "
+            f"{'met' if auc >= 0.999 else 'NOT met'} (AUC {auc:.3f} at r = {r}, "
+            f"{round(c * r * scored)} scored tokens)"
         )
     return lines

@@ -263,7 +263,10 @@ def test_every_dashboard_panel_query_returns_data(stack):
         dashboard, {"job": "canaryd", "backend": "local", "__rate_interval": "10m", "__range": "15m"}
     )
     assert len(queries) >= 8
-    empty = [(title, expr) for title, expr in queries if not stack.metric(expr)]
+    # a panel of a feature this daemon's config does not use has no series here; test_dashboard.py feeds it
+    unused = {"Reference divergence (nats)"}  # no backend here names a reference
+    assert unused <= {title for title, _ in queries}
+    empty = [(title, expr) for title, expr in queries if title not in unused and not stack.metric(expr)]
     assert not empty, f"panels without data: {empty}"
 
 

@@ -14,6 +14,7 @@ import json
 import subprocess
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import httpx2
@@ -21,7 +22,9 @@ import pytest
 
 from canaryd.daemon.httpserver import MetricsServer
 from canaryd.daemon.metrics import Metrics
+from canaryd.judge.reference import decide
 from canaryd.lab.vllm_process import free_port
+from canaryd.probe.reference import Check, Cycle
 from tests.e2e.services import need, query, start_prometheus, wait_for
 from tests.unit.test_metrics import run
 
@@ -64,7 +67,7 @@ def test_queries_parse_with_promtool(dash, tmp_path):
 def prometheus(tmp_path_factory):
     """A real Prometheus (OpenMetrics, gzip: as it always scrapes) with the shipped alert rules, scraping a
     real MetricsServer whose Metrics get a synthetic pass every half second (the canaries drift, the stack
-    changes on every pass), each published once, as the daemon does."""
+    changes on every pass, the reference parts from one answer), each published once, as the daemon does."""
     root = tmp_path_factory.mktemp("prometheus")
     metrics = Metrics()
     ids = ("add", "capital", "colors")
@@ -79,7 +82,10 @@ def prometheus(tmp_path_factory):
         while not stop.wait(0.5):
             n += 1
             metrics.schedule_runs.labels("fast").inc()
-            metrics.record(run(stack_fp=f"fp-{n % 2}", lp=-0.6, backend="local", canaries=ids))
+            checks = {"add": Check(parting=0.4, noise=0.0)}
+            cycle = Cycle("reference", checks, {"add": 0.0}, decide({"add": 0.0}, 0.01))
+            passed = run(stack_fp=f"fp-{n % 2}", lp=-0.6, backend="local", canaries=ids)
+            metrics.record(replace(passed, reference=cycle))
             metrics.publish()
             metrics.schedule_last.labels("fast").set(time.time())
 
