@@ -21,15 +21,11 @@ a label of 128; the full value stays in the database).
 
 from __future__ import annotations
 
-import hashlib
-import struct
 import sys
 import threading
 import time
-import zlib
 from collections import deque
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 
 from prometheus_client import (
     CollectorRegistry,
@@ -43,111 +39,28 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 from prometheus_client.openmetrics import exposition as openmetrics
-from prometheus_client.utils import floatToGoString
 
 from canaryd import __version__
 from canaryd.backends import engine_version
+from canaryd.daemon.exposition import (
+    EMPTY,
+    EOF,
+    PAIR_FAMILIES,
+    Cache,
+    Pair,
+    Tail,
+    bounded,
+    digest,
+    escape,
+    render_pairs,
+)
 from canaryd.judge.compare import Verdict
 from canaryd.judge.stats import DetectorState
-from canaryd.observation import ErrorKind, storable
+from canaryd.observation import ErrorKind
 from canaryd.probe.run import BackendRun
 from canaryd.stack import configuration_of
 
 PROBE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-MARK = "…"  # where a label value too long for its series was cut
-HASH_CHARS = 10  # hex digits of the whole value's hash kept after the mark: two long values stay distinct
-EOF = b"# EOF\n"  # OpenMetrics' last line
-GZIP_LEVEL = 6  # zlib's default: a few times faster than gzip's 9, barely larger
-GZIP_HEADER = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff"  # deflate, no name, no mtime, OS unknown
-# The per canary × backend families: (name, help, _Pair attribute). canaryd_canary_verdict carries the
-# current verdict as a label, one series per pair (value 1), so alerts and panels select it by name.
-PAIR_FAMILIES = (
-    ("canaryd_canary_verdict", "The verdict of the last probe (one series per canary, value 1).", "verdict"),
-    ("canaryd_canary_probe_success", "1 if the last probe got a usable answer, else 0.", "success"),
-    (
-        "canaryd_canary_logprob_delta_max",
-        "Largest |delta logprob| against the baseline over the common token prefix "
-        "(chosen tokens and shared top-k alternatives) in the last usable answer.",
-        "delta",
-    ),
-    (
-        "canaryd_canary_last_probe_timestamp_seconds",
-        "Unix time of the last probe of this canary.",
-        "last_probe",
-    ),
-)
-
-
-def _digest(value: str) -> str:
-    return hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()
-
-
-def bounded(value: str, limit: int) -> str:
-    """``value`` as a label value of at most ``limit`` characters (limit ≥ 16): a longer one is cut to its
-    first characters (three quarters of the limit at most), the mark and a hash of the whole value. Text
-    UTF-8 cannot encode is escaped, so one odd value can never break the exposition."""
-    value = storable(value)
-    if len(value) <= limit:
-        return value
-    head = max(0, min(limit * 3 // 4, limit - len(MARK) - HASH_CHARS))
-    return value[:head] + MARK + _digest(value)[:HASH_CHARS]
-
-
-def _escape(value: str) -> str:
-    """A label value as the exposition formats quote it (as prometheus_client does)."""
-    return storable(value).replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
-
-
-@dataclass(slots=True)
-class _Pair:
-    """The last probe of one canary × backend; None = not known (no series)."""
-
-    backend: str
-    canary: str
-    labels: str  # the escaped label pairs, rendered once
-    verdict: str | None = None
-    success: float | None = None
-    delta: float | None = None
-    last_probe: float | None = None
-
-
-def _deflate(data: bytes, final: bool) -> bytes:
-    """Raw deflate blocks of ``data``: sync-flushed (more blocks may follow) or final."""
-    z = zlib.compressobj(GZIP_LEVEL, zlib.DEFLATED, -zlib.MAX_WBITS)
-    return z.compress(data) + z.flush(zlib.Z_FINISH if final else zlib.Z_SYNC_FLUSH)
-
-
-@dataclass(frozen=True)
-class _Tail:
-    """The per-pass end of a body, plain and as final deflate blocks compressed once per pass."""
-
-    plain: bytes
-    deflated: bytes
-
-    @classmethod
-    def of(cls, plain: bytes) -> _Tail:
-        return cls(plain, _deflate(plain, final=True))
-
-    def after(self, head: bytes, gzipped: bool) -> bytes:
-        """``head`` + this tail, as ONE gzip member when ``gzipped``: many clients (Python's zlib-based
-        ones among them) read only the first member of a multi-member body. Only the small head is
-        compressed per scrape; the CRC covers the whole body (zlib.crc32 runs at GB/s)."""
-        if not gzipped:
-            return head + self.plain
-        crc = zlib.crc32(self.plain, zlib.crc32(head))
-        size = (len(head) + len(self.plain)) & 0xFFFFFFFF
-        return GZIP_HEADER + _deflate(head, final=False) + self.deflated + struct.pack("<II", crc, size)
-
-
-@dataclass(frozen=True)
-class _Cache:
-    """The per-pass part of the exposition in both formats (a scrape puts the live part before it)."""
-
-    text: _Tail
-    openmetrics: _Tail
-
-
-_EMPTY = _Cache(_Tail.of(b""), _Tail.of(EOF))  # before the first pass
 
 
 class _PairCollector:
@@ -189,8 +102,8 @@ class Metrics:
         self.label_length = label_length
         self._lock = threading.RLock()  # passes of several schedules record at once
         self._publishing = threading.Lock()  # publishes in turn: a slow one never replaces a newer cache
-        self._pairs: dict[tuple[str, str], _Pair] = {}
-        self._cache = _EMPTY
+        self._pairs: dict[tuple[str, str], Pair] = {}
+        self._cache = EMPTY
         live, per_pass = self._live, self._per_pass
 
         self._add(live, ProcessCollector(registry=None))  # process_resident_memory_bytes & co
@@ -390,17 +303,17 @@ class Metrics:
         """A metric on ``registry`` (live or per pass) and on ``self.registry`` (every series)."""
         return self._add(registry, cls(name, help_, labels, registry=None, **kwargs))
 
-    def _pair(self, backend: str, canary: str) -> _Pair:
+    def _pair(self, backend: str, canary: str) -> Pair:
         p = self._pairs.get((backend, canary))
         if p is None:
-            labels = f'backend="{_escape(backend)}",canary="{_escape(canary)}"'
-            p = self._pairs[(backend, canary)] = _Pair(backend, canary, labels)
+            labels = f'backend="{escape(backend)}",canary="{escape(canary)}"'
+            p = self._pairs[(backend, canary)] = Pair(backend, canary, labels)
         return p
 
-    def _snapshot(self) -> list[_Pair]:
+    def _snapshot(self) -> list[Pair]:
         with self._lock:
             return [
-                _Pair(p.backend, p.canary, p.labels, p.verdict, p.success, p.delta, p.last_probe)
+                Pair(p.backend, p.canary, p.labels, p.verdict, p.success, p.delta, p.last_probe)
                 for p in self._pairs.values()
             ]
 
@@ -518,7 +431,7 @@ class Metrics:
             elif cmp.verdict is Verdict.BASELINE:
                 p.delta = 0.0
             if obs.system_fingerprint:  # by digest: a window of 1 MB fingerprints must not fill memory
-                self._fingerprints.setdefault(b, deque()).append((now, _digest(obs.system_fingerprint)))
+                self._fingerprints.setdefault(b, deque()).append((now, digest(obs.system_fingerprint)))
             if configuration := configuration_of(obs.stack):
                 self._configurations.setdefault(b, deque()).append((now, configuration))
             if cmp.verdict is Verdict.NEW_CONFIG:
@@ -583,26 +496,11 @@ class Metrics:
         """Render what the passes recorded, once, for every scrape until the next publish."""
         with self._publishing:
             with self._lock:  # recording waits only for the render, not for the compression
-                pairs = self._render_pairs()
+                pairs = render_pairs(self._pairs.values())
                 text = generate_latest(self._per_pass)
                 om = openmetrics.generate_latest(self._per_pass)[: -len(EOF)]
             # one assignment: a scrape sees the old cache or the new one, whole
-            self._cache = _Cache(_Tail.of(text + pairs), _Tail.of(om + pairs + EOF))
-
-    def _render_pairs(self) -> bytes:
-        """The pair families by hand: prometheus_client's generic writer costs ~20 µs a series, this ~1."""
-        out: list[str] = []
-        pairs = self._pairs.values()
-        g = floatToGoString
-        for name, help_, attr in PAIR_FAMILIES:
-            out.append(f"# HELP {name} {help_}\n# TYPE {name} gauge\n")
-            if attr == "verdict":
-                out += [f'{name}{{{p.labels},verdict="{p.verdict}"}} 1.0\n' for p in pairs if p.verdict]
-            else:
-                out += [
-                    f"{name}{{{p.labels}}} {g(v)}\n" for p in pairs if (v := getattr(p, attr)) is not None
-                ]
-        return "".join(out).encode()
+            self._cache = Cache(Tail.of(text + pairs), Tail.of(om + pairs + EOF))
 
     def exposition(self, accept: str = "", gzipped: bool = False) -> tuple[bytes, str]:
         """The body of a scrape and its content type: canaryd's own series rendered now, then the cached

@@ -1,0 +1,84 @@
+"""The detection bench's canaryd rows: a deployment per serving configuration, the fleet composed with a
+replaced member, and the reference row's test, on synthetic observations with known answers."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from bench.detection_lab import Served, composed
+from bench.detection_methods import Reference, canaryd_reference, deployment, judged
+from canaryd.canaries import Canary, Decoding
+from canaryd.judge.compare import Verdict
+from canaryd.observation import Observation, TokenLogprob
+from canaryd.probe.reference import Check
+from canaryd.stack import configuration_of
+
+CANARY = Canary(id="c", prompt="2+3=", decoding=Decoding(max_tokens=2, top_logprobs=2), suite="t")
+
+
+def obs(fp: str, lp: float, text: str = "5", canary: str = "c") -> Observation:
+    o = Observation("b", canary, "t", datetime(2026, 1, 1, tzinfo=UTC), {}, "r")
+    o.text, o.system_fingerprint, o.finish_reason = text, fp, "stop"
+    o.tokens = [TokenLogprob(text, lp, top=((text, lp), ("x", lp - 3.0)))]
+    o.stack = {"response.system_fingerprint": fp}
+    return o
+
+
+def test_a_deployment_has_a_baseline_and_model_per_configuration_and_drops_a_rare_one():
+    probes = [obs("f32", -0.5)] * 4 + [obs("bf16", -0.7)] * 4 + [obs("rare", -0.9)] * 2
+    known = deployment({"c": probes})
+    f32, bf16 = (
+        configuration_of({"response.system_fingerprint": "f32"}),
+        configuration_of({"response.system_fingerprint": "bf16"}),
+    )
+    assert list(known["c"]) == [f32, bf16]  # in the order they first answered; "rare" has 2 < 3 probes
+    assert known["c"][bf16][0].tokens[0].logprob == -0.7
+
+
+def test_a_probe_is_judged_by_its_own_configuration_and_a_new_one_by_the_first():
+    known = deployment({"c": [obs("f32", -0.5)] * 4 + [obs("bf16", -0.7)] * 4})
+    assert judged(CANARY, known, obs("bf16", -0.7)).verdict is Verdict.IDENTICAL
+    assert judged(CANARY, known, obs("f32", -0.5)).verdict is Verdict.IDENTICAL
+    # against one baseline per backend the bf16 answer would be drift: that is what the deployment avoids
+    assert judged(CANARY, deployment({"c": [obs("f32", -0.5)] * 4}), obs("bf16", -0.7)).verdict.is_drift
+    # an unknown configuration (a server replaced whole) is judged against the first: a move is drift
+    assert judged(CANARY, known, obs("other", -0.9)).verdict.is_drift
+
+
+def served(variant: str, pool: list[Observation]) -> Served:
+    return Served(variant, {"c": pool}, {"c": pool}, pool, 1.0, 1.0, 1.0, 0.0, 1.0, {"forced": {"c": pool}})
+
+
+def test_composed_replaces_one_member_in_every_pool():
+    fleet = served("F", [obs("f32", -0.5), obs("bf16", -0.7)] * 3)
+    fleet.extra["calibration"] = {"c": fleet.greedy["c"]}
+    joined = served("Q1", [obs("f32", -0.6)] * 2)
+    f32 = configuration_of({"response.system_fingerprint": "f32"})
+    mixed = composed("FQ1", fleet, f32, joined)
+    for pool in (mixed.greedy["c"], mixed.samples["c"], mixed.lt, mixed.extra["forced"]["c"]):
+        assert sorted(o.tokens[0].logprob for o in pool) == [-0.7] * 3 + [-0.6] * 2
+    assert mixed.extra["calibration"] is fleet.extra["calibration"]  # still deployed on the fleet
+    assert fleet.greedy["c"][0].tokens[0].logprob == -0.5  # the fleet itself is untouched
+
+
+@dataclass(frozen=True)
+class Settings:
+    r_probes: tuple[int, ...] = (1, 2)
+    trials: int = 20
+
+
+def test_the_reference_row_alarms_only_where_an_answer_parts_from_the_reference():
+    ref = Reference([CANARY], {}, {}, {}, {}, [], 4)
+    ref.checks = {("c", "5"): Check(parting=0.0, noise=0.0), ("c", "6"): Check(parting=0.8, noise=0.0)}
+    honest = canaryd_reference(
+        ref, served("N0", [obs("f32", -0.5, "5")] * 4), Settings(), 0.01, random.Random(0)
+    )
+    assert not any(o.reject for r in honest.values() for o in r)
+    # half the answers part: at r = 2 a test sees one with probability 3/4
+    moved = [obs("f32", -0.5, "5"), obs("f32", -0.5, "6")] * 2
+    out = canaryd_reference(ref, served("Q2", moved), Settings(trials=400), 0.01, random.Random(0))
+    assert 0.4 < sum(o.reject for o in out[1]) / 400 < 0.6
+    assert 0.65 < sum(o.reject for o in out[2]) / 400 < 0.85
+    assert all(o.score == (True, 0.8) for o in out[2] if o.reject)
