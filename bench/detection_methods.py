@@ -178,26 +178,29 @@ def canaryd_forced(ref: Reference, served: Served, settings, alpha: float, rng: 
 
 def canaryd_reference(ref: Reference, served: Served, settings, alpha: float, rng: random.Random) -> dict:
     """The reference check: each greedy answer re-scored on the reference (the baseline server: the weights
-    the variant claims), its parting from the reference's own answer tested against the reference's own
-    (`canaryd.judge.reference`), Bonferroni over the canaries at alpha / R per cycle (a union bound over a
-    test's up to R cycles). Score: (alarm on, largest parting)."""
+    the variant claims), its parting from the reference's own answer and its logprob gap tested against the
+    reference's own (`canaryd.judge.reference.canary_p_value`), Bonferroni over the canaries at alpha / R
+    per cycle (a union bound over a test's up to R cycles). Score: (alarm on, largest gap, largest
+    parting)."""
     longest = max(settings.r_probes)
     tolerance = CompareConfig().logprob_tolerance
     out: dict[int, list[Outcome]] = {r: [] for r in settings.r_probes}
     for _ in range(settings.trials):
-        alarmed, peak, after = False, 0.0, {}
+        alarmed, gap, part, after = False, 0.0, 0.0, {}
         for j in range(1, longest + 1):
             picks = {c.id: rng.choice(served.greedy[c.id]).text or "" for c in ref.canaries}
             checks = {cid: ref.checks[(cid, text)] for cid, text in picks.items()}
             null = [x.noise for x in checks.values() if x.noise is not None]
+            gap_null = [g for x in checks.values() for g in x.gap_noise]
             p = {
-                cid: reference.p_value(x.parting, null, tolerance)
+                cid: reference.canary_p_value(x.parting, null, x.divergence.logprob_gap, gap_null, tolerance)
                 for cid, x in checks.items()
-                if x.parting is not None
+                if x.parting is not None and x.divergence is not None
             }
             alarmed = alarmed or reference.decide(p, alpha / longest).mismatch
-            peak = max(peak, *(x.parting or 0.0 for x in checks.values()))
-            after[j] = Outcome(alarmed, (alarmed, peak))
+            gap = max(gap, *(x.divergence.logprob_gap or 0.0 for x in checks.values() if x.divergence))
+            part = max(part, *(x.parting or 0.0 for x in checks.values()))
+            after[j] = Outcome(alarmed, (alarmed, gap, part))
         for r in settings.r_probes:
             out[r].append(after[r])
     return out

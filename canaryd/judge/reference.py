@@ -21,6 +21,11 @@ combines its canaries with a Bonferroni bound, so the chance that an honest prov
 in a cycle is at most ``alpha`` whatever the canaries' dependence (`decide`). When the null never exceeded
 ``tolerance`` (a deterministic engine: vLLM CPU's is exactly 0) the test is exact: any statistic above
 ``tolerance`` is out.
+
+A parting needs a flipped token. Where the provider returns logprobs for the tokens the reference scored,
+a second statistic needs none: the mean gap between the provider's logprobs and the reference's for the
+same tokens, tested against the same gap between the reference's own generated logprobs and its scoring
+of them (`canary_p_value` combines the two). Other weights or precision move every logprob.
 """
 
 from __future__ import annotations
@@ -72,6 +77,9 @@ def divergence(scored: Sequence[TokenLogprob], provider: Sequence[TokenLogprob] 
     d = [token_divergence(t) for t in scored]
     gap, retokenized = None, False
     if provider:
+        # a generated answer may end with its stop token, which is no part of the text that was scored
+        if len(provider) == len(scored) + 1 and _same_tokens(scored, provider[:-1]):
+            provider = provider[:-1]
         if _same_tokens(scored, provider):
             gap = sum(abs(p.logprob - r.logprob) for p, r in zip(provider, scored, strict=True)) / len(d)
         else:
@@ -113,6 +121,24 @@ def p_value(statistic: float, null: Sequence[float], tolerance: float = 0.0) -> 
     if all(x <= tolerance for x in null):
         return 0.0
     return (1 + sum(x >= statistic for x in null)) / (len(null) + 1)
+
+
+def canary_p_value(
+    parting: float,
+    null: Sequence[float],
+    gap: float | None,
+    gap_null: Sequence[float],
+    tolerance: float = 0.0,
+) -> float:
+    """A canary's p-value from its parting and, where the provider returned logprobs for the tokens the
+    reference scored, from its logprob gap too: the gap tested against the reference's own (its generated
+    logprobs against its own scoring of them), the two combined by Bonferroni. The gap is what catches a
+    change that flips no token: other weights or precision move every logprob even where the answer is
+    the same."""
+    p = p_value(parting, null, tolerance)
+    if gap is None or not gap_null:
+        return p
+    return min(1.0, 2 * min(p, p_value(gap, gap_null, tolerance)))
 
 
 @dataclass(frozen=True, slots=True)

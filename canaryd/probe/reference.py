@@ -21,7 +21,14 @@ from canaryd.backends import Backend, make_backend
 from canaryd.canaries import Canary
 from canaryd.config import Config
 from canaryd.judge.compare import Comparison, Verdict
-from canaryd.judge.reference import Divergence, ReferenceDecision, decide, divergence, p_value, parting
+from canaryd.judge.reference import (
+    Divergence,
+    ReferenceDecision,
+    canary_p_value,
+    decide,
+    divergence,
+    parting,
+)
 from canaryd.observation import Observation, TokenLogprob
 from canaryd.probe import vet
 
@@ -33,13 +40,16 @@ class Check:
     ``divergence``: the provider's answer as the reference scores it; ``own``: the reference's own greedy
     answer, scored the same way (text in, text re-tokenized: whatever that loses, both lose); ``parting``:
     the statistic, how far apart the reference ranks the two where they part (0: the same tokens);
-    ``noise``: the same between two of the reference's own answers, one draw of the statistic's null."""
+    ``noise``: the same between two of the reference's own answers, one draw of the statistic's null;
+    ``gap_noise``: the logprob gap of each of those answers (its generated logprobs against the reference's
+    scoring of them), the null of the provider's gap (`judge.reference.canary_p_value`)."""
 
     divergence: Divergence | None = None
     own: Divergence | None = None
     parting: float | None = None
     noise: float | None = None
     error: str | None = None
+    gap_noise: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,16 +83,20 @@ def _failed(obs: Observation, what: str) -> str:
     return f"{what}: {obs.error_kind}: {obs.error}"
 
 
-def _own(reference: Backend, canary: Canary) -> list[TokenLogprob] | str:
-    """The reference's own greedy answer, scored as a provider's would be (or why it could not be); an
-    empty answer has no tokens (a provider that says something where it says nothing parts from it)."""
+def _own(reference: Backend, canary: Canary) -> tuple[list[TokenLogprob], float | None] | str:
+    """The reference's own greedy answer, scored as a provider's would be, and its logprob gap (what it
+    generated against that scoring), or why it could not be; an empty answer has no tokens (a provider
+    that says something where it says nothing parts from it)."""
     own = vet.probe(reference, canary)
     if not own.ok:
         return _failed(own, "the reference's own answer")
     if not own.text:
-        return []
+        return [], None
     scored = vet.probe(reference, _forced(canary, own.text))
-    return scored.tokens if scored.ok else _failed(scored, "scoring its own answer")
+    if not scored.ok:
+        return _failed(scored, "scoring its own answer")
+    generated = own.tokens if own.has_logprobs else ()
+    return scored.tokens, divergence(scored.tokens, generated).logprob_gap
 
 
 def check_one(reference: Backend, canary: Canary, obs: Observation) -> Check:
@@ -91,17 +105,19 @@ def check_one(reference: Backend, canary: Canary, obs: Observation) -> Check:
         scored = vet.probe(reference, _forced(canary, obs.text or ""))
         if not scored.ok:
             return Check(error=_failed(scored, "scoring the answer"))
-        own, repeat = _own(reference, canary), _own(reference, canary)
-        for d in (own, repeat):
+        first, second = _own(reference, canary), _own(reference, canary)
+        for d in (first, second):
             if isinstance(d, str):
                 return Check(error=d)
-        assert not isinstance(own, str) and not isinstance(repeat, str)
+        assert not isinstance(first, str) and not isinstance(second, str)
+        (own, own_gap), (repeat, repeat_gap) = first, second
         provider = obs.tokens if obs.has_logprobs else ()
         return Check(
             divergence(scored.tokens, provider),
             divergence(own) if own else None,
             parting(scored.tokens, own),
             parting(own, repeat),
+            gap_noise=tuple(g for g in (own_gap, repeat_gap) if g is not None),
         )
     except Exception as e:  # a bug costs this canary's check, reported as such
         return Check(error=f"internal: {e.__class__.__name__}: {str(e)[:200]}")
@@ -125,8 +141,13 @@ def run_checks(
         reference.close()
     by_id = {c.id: check for (c, _), check in zip(todo, checks, strict=True)}
     null = [c.noise for c in by_id.values() if c.noise is not None]
+    gap_null = [g for c in by_id.values() for g in c.gap_noise]
     tolerance = config.compare.logprob_tolerance
-    p = {cid: p_value(c.parting, null, tolerance) for cid, c in by_id.items() if c.parting is not None}
+    p = {
+        cid: canary_p_value(c.parting, null, c.divergence.logprob_gap, gap_null, tolerance)
+        for cid, c in by_id.items()
+        if c.parting is not None and c.divergence is not None
+    }
     return Cycle(ref_name, by_id, p, decide(p, config.compare.alpha))
 
 
@@ -139,6 +160,7 @@ def evidence(cycle: Cycle, canary_id: str) -> dict:
         "own_mean_nats": None if check.own is None else check.own.mean_nats,
         "parting_nats": check.parting,
         "noise_nats": check.noise,
+        "gap_noise_nats": list(check.gap_noise),
         "p_value": cycle.p_values.get(canary_id),
         "cycle_p_value": cycle.decision.p_value,
         "mismatch": canary_id in cycle.decision.out,
@@ -160,12 +182,19 @@ def apply(cycle: Cycle | None, canary_id: str, comparison: Comparison) -> Compar
         d = check.divergence
         assert d is not None and check.parting is not None and check.noise is not None
         own = f"{check.own.mean_nats:.4g}" if check.own is not None else "none: it answered nothing"
+        gap = ""
+        if d.logprob_gap is not None:
+            floor = f"{max(check.gap_noise):.3g}" if check.gap_noise else "not measured"
+            gap = (
+                f"; its logprobs lie {d.logprob_gap:.3g} nats/token from the reference's for the same tokens "
+                f"(the reference's own: {floor})"
+            )
         reasons = (
             *reasons,
             f"reference {cycle.reference!r} would not answer this: where the answers part it ranks them "
             f"{check.parting:.4g} nats apart (its own two answers: {check.noise:.4g}); the answer scores "
             f"{d.mean_nats:.4g} nats/token off its choices (max {d.max_nats:.4g}, {d.tokens} tokens; its own "
-            f"answer {own}); p = {cycle.p_values[canary_id]:.3g}",
+            f"answer {own}){gap}; p = {cycle.p_values[canary_id]:.3g}",
         )
         verdict = Verdict.most_severe([verdict, Verdict.REFERENCE_MISMATCH])
     return replace(comparison, verdict=verdict, reasons=reasons, reference=evidence(cycle, canary_id))

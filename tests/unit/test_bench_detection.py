@@ -11,6 +11,7 @@ from bench.detection_lab import Served, composed
 from bench.detection_methods import Reference, canaryd_reference, deployment, judged
 from canaryd.canaries import Canary, Decoding
 from canaryd.judge.compare import Verdict
+from canaryd.judge.reference import Divergence
 from canaryd.observation import Observation, TokenLogprob
 from canaryd.probe.reference import Check
 from canaryd.stack import configuration_of
@@ -69,16 +70,27 @@ class Settings:
     trials: int = 20
 
 
-def test_the_reference_row_alarms_only_where_an_answer_parts_from_the_reference():
+def test_the_reference_row_alarms_where_an_answer_parts_or_its_logprobs_move():
     ref = Reference([CANARY], {}, {}, {}, {}, [], 4)
-    ref.checks = {("c", "5"): Check(parting=0.0, noise=0.0), ("c", "6"): Check(parting=0.8, noise=0.0)}
-    honest = canaryd_reference(
-        ref, served("N0", [obs("f32", -0.5, "5")] * 4), Settings(), 0.01, random.Random(0)
-    )
-    assert not any(o.reject for r in honest.values() for o in r)
+    same = Divergence(0.0, 0.0, 1, logprob_gap=0.0)
+    ref.checks = {
+        ("c", "5"): Check(same, parting=0.0, noise=0.0, gap_noise=(0.0, 0.0)),
+        ("c", "6"): Check(Divergence(0.8, 0.8, 1), parting=0.8, noise=0.0, gap_noise=(0.0, 0.0)),
+        ("c", "7"): Check(
+            Divergence(0.0, 0.0, 1, logprob_gap=1e-4), parting=0.0, noise=0.0, gap_noise=(0.0,)
+        ),
+    }
+    honest = served("N0", [obs("f32", -0.5, "5")] * 4)
+    out = canaryd_reference(ref, honest, Settings(), 0.01, random.Random(0))
+    assert not any(o.reject for r in out.values() for o in r)
     # half the answers part: at r = 2 a test sees one with probability 3/4
     moved = [obs("f32", -0.5, "5"), obs("f32", -0.5, "6")] * 2
     out = canaryd_reference(ref, served("Q2", moved), Settings(trials=400), 0.01, random.Random(0))
     assert 0.4 < sum(o.reject for o in out[1]) / 400 < 0.6
     assert 0.65 < sum(o.reject for o in out[2]) / 400 < 0.85
-    assert all(o.score == (True, 0.8) for o in out[2] if o.reject)
+    assert all(o.score == (True, 0.0, 0.8) for o in out[2] if o.reject)
+    # the same answer with moved logprobs: every test
+    out = canaryd_reference(
+        ref, served("Q1", [obs("f32", -0.5, "7")] * 2), Settings(), 0.01, random.Random(0)
+    )
+    assert all(o.reject for o in out[1])

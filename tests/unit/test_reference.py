@@ -17,6 +17,7 @@ import pytest
 from canaryd.errors import InputError
 from canaryd.judge.reference import (
     ReferenceDecision,
+    canary_p_value,
     decide,
     divergence,
     p_value,
@@ -48,6 +49,24 @@ def test_provider_logprobs_are_compared_where_the_tokenizations_agree_and_flagge
     assert same.logprob_gap == pytest.approx(0.15) and not same.retokenized
     other = divergence(scored, [tok(-0.3, tid=1), tok(-0.6, tid=7)])
     assert other.logprob_gap is None and other.retokenized
+
+
+def test_a_generated_answers_stop_token_is_not_compared_with_the_scored_text():
+    scored = [tok(-0.1, -0.1, tid=1), tok(-0.5, -0.5, tid=2)]
+    generated = [tok(-0.2, tid=1), tok(-0.5, tid=2), tok(-0.01, tid=257)]  # the stop token closes it
+    d = divergence(scored, generated)
+    assert d.logprob_gap == pytest.approx(0.05) and not d.retokenized
+    two_more = [*generated, tok(-0.3, tid=9)]
+    assert divergence(scored, two_more).retokenized
+
+
+def test_the_logprob_gap_catches_the_same_answer_from_other_weights():
+    # the same tokens (parting 0) whose logprobs moved, against a reference whose own gap is exactly 0
+    assert canary_p_value(0.0, [0.0] * 4, 1e-4, [0.0] * 8) == 0.0
+    assert canary_p_value(0.0, [0.0] * 4, 0.0, [0.0] * 8) == 1.0
+    assert canary_p_value(0.0, [0.0] * 4, None, []) == 1.0  # no provider logprobs: the parting alone
+    # conformal regime: the two p-values combine by Bonferroni
+    assert canary_p_value(0.0, [0.0], 0.5, [0.1, 0.2, 0.3, 0.4]) == pytest.approx(2 / 5)
 
 
 def test_parting_is_zero_for_the_same_tokens_and_the_gap_where_two_answers_part():
@@ -169,6 +188,15 @@ def test_an_answer_where_the_reference_says_nothing_parts_from_it(make):
     c = by_id(lab.cycle())["add"].comparison
     assert c.verdict.value == "reference-mismatch" and c.reference["own_mean_nats"] is None
     assert c.reference["parting_nats"] > 0.5 and c.reference["error"] is None
+
+
+def test_the_same_answers_with_moved_logprobs_are_a_mismatch_when_the_provider_returns_logprobs(make):
+    lab = make(scripted(reference="ref", body=change(at=2, logprob_shift=-0.05)))
+    assert set(verdicts(lab.cycle()).values()) == {"baseline"}
+    c = by_id(lab.cycle())["add"].comparison
+    assert c.verdict.value == "reference-mismatch" and c.reference["parting_nats"] == 0.0
+    assert c.reference["divergence"]["logprob_gap"] > 0.01 and c.reference["gap_noise_nats"] == [0.0, 0.0]
+    assert any("its logprobs lie" in r for r in c.reasons)
 
 
 def test_a_provider_without_logprobs_is_checked_all_the_same(make):
