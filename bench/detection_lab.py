@@ -97,11 +97,17 @@ def forced_canaries(backend: Backend) -> list[Canary]:
     return out
 
 
+def check_key(obs: Observation) -> tuple:
+    """What a reference check depends on besides the reference: the canary, the text, its logprobs."""
+    return obs.canary_id, obs.text or "", tuple((t.token_id, t.logprob) for t in obs.tokens)
+
+
 def reference_checks(
     reference: Backend, canaries: Sequence[Canary], greedy: dict[str, list[Observation]]
 ) -> dict[tuple[str, str], Check]:
-    """The reference check (`canaryd.probe.reference.check_one`) of every distinct greedy answer."""
-    todo = {(c.id, o.text or ""): (c, o) for c in canaries for o in greedy[c.id]}
+    """The reference check (`canaryd.probe.reference.check_one`) of every distinct greedy answer, by
+    `check_key` (its logprobs are part of it: two servers' same text is two answers)."""
+    todo = {check_key(o): (c, o) for c in canaries for o in greedy[c.id]}
     with ThreadPoolExecutor(CONCURRENCY) as pool:
         checks = dict(
             zip(todo, pool.map(lambda item: check_one(reference, *item), todo.values()), strict=True)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from bench.detection_lab import MAX_TOKENS, SHIM_CAL_DAYS, Served, Shim
+from bench.detection_lab import MAX_TOKENS, SHIM_CAL_DAYS, Served, Shim, check_key
 from bench.peers import lt_test, met_test
 from canaryd.canaries import Canary
 from canaryd.config import CompareConfig
@@ -71,7 +71,7 @@ class Reference:
     k: int
     forced: list[Canary] = field(default_factory=list)
     forced_calibration: dict[str, list[Observation]] = field(default_factory=dict)
-    checks: dict[tuple[str, str], Check] = field(default_factory=dict)  # (canary id, answer) → its check
+    checks: dict[tuple, Check] = field(default_factory=dict)  # `detection_lab.check_key` → its check
 
 
 Method = Callable[[Reference, Served, object, float, random.Random], dict[int, list[Outcome]]]
@@ -188,8 +188,7 @@ def canaryd_reference(ref: Reference, served: Served, settings, alpha: float, rn
     for _ in range(settings.trials):
         alarmed, gap, part, after = False, 0.0, 0.0, {}
         for j in range(1, longest + 1):
-            picks = {c.id: rng.choice(served.greedy[c.id]).text or "" for c in ref.canaries}
-            checks = {cid: ref.checks[(cid, text)] for cid, text in picks.items()}
+            checks = {c.id: ref.checks[check_key(rng.choice(served.greedy[c.id]))] for c in ref.canaries}
             null = [x.noise for x in checks.values() if x.noise is not None]
             gap_null = [g for x in checks.values() for g in x.gap_noise]
             p = {

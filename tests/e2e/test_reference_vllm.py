@@ -4,9 +4,11 @@ A reference vLLM (the fp32 tiny model, kind ``vllm``) re-scores, by teacher forc
 "provider": a second vLLM behind the ``openai`` kind with ``logprobs = "off"``, so the reference does all
 the scoring. The same weights are never a mismatch over ten cycles; the provider restarted with an int8
 or 4-bit round trip of the weights, or a differently seeded model of the same shape, is a
-``reference-mismatch`` within one cycle. The provider's server is also probed as kind ``vllm`` with forced
-canaries (a fixed continuation scored token by token): identical across passes, a logprob drift once its
-weights change. Five server starts (one reference, four providers), about 40 s each.
+``reference-mismatch`` within one cycle. The same server is also checked as kind ``vllm`` with its
+logprobs (``provider-lp``, two short canaries): its logprob gap is exactly 0 on the same weights, and
+other weights are a mismatch whether or not they flip a token. The provider's server is also probed as
+kind ``vllm`` with forced canaries (a fixed continuation scored token by token): identical across passes,
+a logprob drift once its weights change. Five server starts (one reference, four providers), about 40 s each.
 """
 
 from __future__ import annotations
@@ -34,6 +36,19 @@ prompt = "The three primary colors of light are red, green and"
 continuation = " blue, which together make white light."
 """
 
+PLAIN = """
+[suite]
+name = "plain"
+[defaults]
+max_tokens = 6
+[[canary]]
+id = "lp-capital"
+messages = [{ role = "user", content = "Capital of France?" }]
+[[canary]]
+id = "lp-colors"
+prompt = "The three primary colors of light are"
+"""
+
 CONFIG = """
 state_dir = "state"
 [[suites]]
@@ -42,6 +57,9 @@ backends = ["provider"]
 [[suites]]
 path = "suite.toml"
 backends = ["provider-vllm", "ref"]
+[[suites]]
+path = "plain.toml"
+backends = ["provider-lp"]
 [[backends]]
 name = "ref"
 kind = "vllm"
@@ -63,6 +81,13 @@ kind = "vllm"
 base_url = "http://127.0.0.1:{{port}}/v1"
 model = "tiny"
 timeout_s = 120
+[[backends]]
+name = "provider-lp"
+kind = "vllm"
+base_url = "http://127.0.0.1:{{port}}/v1"
+model = "tiny"
+timeout_s = 120
+reference = "ref"
 """
 
 
@@ -72,6 +97,7 @@ def lab(tmp_path_factory, tiny_model):
     ref_port = free_port()
     config = CONFIG.format(default=REPO / "canaries" / "default.toml", ref_port=ref_port)
     lab = Lab(root, FORCED, config)
+    (root / "plain.toml").write_text(PLAIN)
     ref = VLLMServer(
         tiny_model, port=ref_port, extra_args=["--enforce-eager"], log_path=root / "vllm-reference.log"
     )
@@ -112,6 +138,11 @@ def test_the_same_weights_are_never_a_mismatch_over_ten_cycles(lab, tiny_model):
             forced = rows(report, "provider-vllm")
             want = "baseline" if cycle == 0 else "identical"
             assert {r["verdict"] for r in forced.values()} == {want}, forced
+            with_logprobs = rows(report, "provider-lp")
+            assert {r["verdict"] for r in with_logprobs.values()} == {want}, with_logprobs
+            for r in with_logprobs.values():  # the same weights on the same engine: not a hair apart
+                ev = r["reference"]
+                assert ev["divergence"]["logprob_gap"] == 0.0 and ev["gap_noise_nats"] == [0.0, 0.0], ev
     mean, own, parting = divergence(report)
     assert parting == 0.0
     print(
@@ -137,6 +168,12 @@ def test_other_weights_are_a_reference_mismatch_within_one_cycle(lab, variant, r
     for r in forced.values():  # no sampling: the same tokens, only their logprobs moved
         assert r["delta"]["first_divergence"] is None and r["delta"]["max_abs_dlogprob"] > 0
     assert {r["verdict"] for r in rows(report, "ref").values()} == {"identical"}
+    # with the provider's logprobs, every answer is out: by its parting where a token flipped, else its gap
+    for c, r in rows(report, "provider-lp").items():
+        ev = r["reference"]
+        assert r["verdict"] == "reference-mismatch" and ev["mismatch"], (c, r["verdict"], ev)
+        assert ev["parting_nats"] > 0 or ev["divergence"]["logprob_gap"] > 0, ev
+        print(f"{variant} {c}: parting {ev['parting_nats']:.4g}, gap {ev['divergence']['logprob_gap']}")
     mean, own, parting = divergence(report)
     print(
         f"\n{variant}: divergence {mean:.4f} nats/token (reference's own {own:.4f}), largest parting "

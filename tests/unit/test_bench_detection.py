@@ -7,7 +7,7 @@ import random
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from bench.detection_lab import Served, composed
+from bench.detection_lab import Served, check_key, composed
 from bench.detection_methods import Reference, canaryd_reference, deployment, judged
 from canaryd.canaries import Canary, Decoding
 from canaryd.judge.compare import Verdict
@@ -74,10 +74,11 @@ def test_the_reference_row_alarms_where_an_answer_parts_or_its_logprobs_move():
     ref = Reference([CANARY], {}, {}, {}, {}, [], 4)
     same = Divergence(0.0, 0.0, 1, logprob_gap=0.0)
     ref.checks = {
-        ("c", "5"): Check(same, parting=0.0, noise=0.0, gap_noise=(0.0, 0.0)),
-        ("c", "6"): Check(Divergence(0.8, 0.8, 1), parting=0.8, noise=0.0, gap_noise=(0.0, 0.0)),
-        ("c", "7"): Check(
-            Divergence(0.0, 0.0, 1, logprob_gap=1e-4), parting=0.0, noise=0.0, gap_noise=(0.0,)
+        check_key(obs("f32", -0.5, "5")): Check(same, parting=0.0, noise=0.0, gap_noise=(0.0, 0.0)),
+        check_key(obs("f32", -0.5, "6")): Check(Divergence(0.8, 0.8, 1), parting=0.8, noise=0.0),
+        # the same text as the first, other logprobs: another answer, its own check
+        check_key(obs("f32", -0.6, "5")): Check(
+            Divergence(0.0, 0.0, 1, logprob_gap=0.1), parting=0.0, noise=0.0, gap_noise=(0.0,)
         ),
     }
     honest = served("N0", [obs("f32", -0.5, "5")] * 4)
@@ -91,6 +92,6 @@ def test_the_reference_row_alarms_where_an_answer_parts_or_its_logprobs_move():
     assert all(o.score == (True, 0.0, 0.8) for o in out[2] if o.reject)
     # the same answer with moved logprobs: every test
     out = canaryd_reference(
-        ref, served("Q1", [obs("f32", -0.5, "7")] * 2), Settings(), 0.01, random.Random(0)
+        ref, served("Q1", [obs("f32", -0.6, "5")] * 2), Settings(), 0.01, random.Random(0)
     )
     assert all(o.reject for o in out[1])
