@@ -6,7 +6,7 @@ the scoring. The same weights are never a mismatch over ten cycles; the provider
 or 4-bit round trip of the weights, or a differently seeded model of the same shape, is a
 ``reference-mismatch`` within one cycle. The same server is also checked as kind ``vllm`` with its
 logprobs (``provider-lp``, two short canaries): its logprob gap is exactly 0 on the same weights, and
-other weights are a mismatch whether or not they flip a token. The provider's server is also probed as
+other weights are a mismatch by it. The provider's server is also probed as
 kind ``vllm`` with forced canaries (a fixed continuation scored token by token): identical across passes,
 a logprob drift once its weights change. Five server starts (one reference, four providers), about 40 s each.
 """
@@ -36,17 +36,20 @@ prompt = "The three primary colors of light are red, green and"
 continuation = " blue, which together make white light."
 """
 
+# Raw prompts the random model answers with valid UTF-8 in 4 greedy tokens ("cccc" from seed 0 and its
+# int8 and 4-bit round trips, "RRRR" from seed 1): most of its answers are bytes that are not UTF-8, whose
+# text re-tokenizes otherwise and has no logprob gap
 PLAIN = """
 [suite]
 name = "plain"
 [defaults]
-max_tokens = 6
+max_tokens = 4
 [[canary]]
-id = "lp-capital"
-messages = [{ role = "user", content = "Capital of France?" }]
+id = "lp-cat"
+prompt = "cat"
 [[canary]]
-id = "lp-colors"
-prompt = "The three primary colors of light are"
+id = "lp-paris"
+prompt = "Paris is"
 """
 
 CONFIG = """
@@ -109,6 +112,21 @@ def rows(report: dict, backend: str) -> dict[str, dict]:
     return {r["canary"]: r for r in report["results"] if r["backend"] == backend}
 
 
+def compared(checked: dict[str, dict]) -> dict[str, float]:
+    """The logprob gap of each answer whose tokens the reference scored as the provider gave them. The
+    random model answers the raw prompt with bytes that are not UTF-8: its text re-tokenizes otherwise
+    (``retokenized``), so only the parting checks it."""
+    out = {}
+    for c, r in checked.items():
+        if not r["text"]:
+            continue  # nothing to score
+        d = r["reference"]["divergence"]
+        assert (d["logprob_gap"] is None) == d["retokenized"], d
+        if not d["retokenized"]:
+            out[c] = d["logprob_gap"]
+    return out
+
+
 def divergence(report: dict) -> tuple[float, float, float]:
     """Over the provider's checked answers, averaged per canary: the mean divergence d per token as the
     reference scores them, the same for the reference's own answers (both nats/token); the largest parting
@@ -140,9 +158,8 @@ def test_the_same_weights_are_never_a_mismatch_over_ten_cycles(lab, tiny_model):
             assert {r["verdict"] for r in forced.values()} == {want}, forced
             with_logprobs = rows(report, "provider-lp")
             assert {r["verdict"] for r in with_logprobs.values()} == {want}, with_logprobs
-            for r in with_logprobs.values():  # the same weights on the same engine: not a hair apart
-                ev = r["reference"]
-                assert ev["divergence"]["logprob_gap"] == 0.0 and ev["gap_noise_nats"] == [0.0, 0.0], ev
+            gaps = compared(with_logprobs)
+            assert gaps and set(gaps.values()) == {0.0}, gaps  # same weights, same engine: not a hair apart
     mean, own, parting = divergence(report)
     assert parting == 0.0
     print(
@@ -168,12 +185,14 @@ def test_other_weights_are_a_reference_mismatch_within_one_cycle(lab, variant, r
     for r in forced.values():  # no sampling: the same tokens, only their logprobs moved
         assert r["delta"]["first_divergence"] is None and r["delta"]["max_abs_dlogprob"] > 0
     assert {r["verdict"] for r in rows(report, "ref").values()} == {"identical"}
-    # with the provider's logprobs, every answer is out: by its parting where a token flipped, else its gap
-    for c, r in rows(report, "provider-lp").items():
-        ev = r["reference"]
-        assert r["verdict"] == "reference-mismatch" and ev["mismatch"], (c, r["verdict"], ev)
-        assert ev["parting_nats"] > 0 or ev["divergence"]["logprob_gap"] > 0, ev
-        print(f"{variant} {c}: parting {ev['parting_nats']:.4g}, gap {ev['divergence']['logprob_gap']}")
+    # with the provider's logprobs for the tokens the reference scored, every such answer is out
+    with_logprobs = rows(report, "provider-lp")
+    gaps = compared(with_logprobs)
+    assert gaps and all(gap > 0 for gap in gaps.values()), gaps
+    for c in gaps:
+        r = with_logprobs[c]
+        assert r["verdict"] == "reference-mismatch" and r["reference"]["mismatch"], (c, r)
+    print(f"{variant}: logprob gaps (nats/token) {gaps}")
     mean, own, parting = divergence(report)
     print(
         f"\n{variant}: divergence {mean:.4f} nats/token (reference's own {own:.4f}), largest parting "
