@@ -25,7 +25,7 @@ from canaryd.report.pin import Pin, PinnedBackend, check_pin
 from canaryd.stack import IDENTITY_FIELDS, configuration_of
 from canaryd.store import Store
 from canaryd.store.engine import SCHEMA_REVISION, current_revision
-from tests.unit.scripted_lab import ScriptedLab, change, scripted, verdicts
+from tests.unit.scripted_lab import change, scripted, verdicts
 from tests.unit.test_migrations import upgrade_to
 
 IDS = ["add", "capital", "colors"]
@@ -44,20 +44,6 @@ name = "third"
 fingerprint = "third"
 logprob_shift = -0.07
 """
-
-
-@pytest.fixture
-def make(tmp_path):
-    labs = []
-
-    def build(backends: str, **kwargs) -> ScriptedLab:
-        lab = ScriptedLab(tmp_path, backends, **kwargs)
-        labs.append(lab)
-        return lab
-
-    yield build
-    for lab in labs:
-        lab.close()
 
 
 def fleet(body: str = "", **settings) -> str:

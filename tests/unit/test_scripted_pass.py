@@ -13,23 +13,9 @@ import pytest
 
 from canaryd.daemon.metrics import Metrics
 from canaryd.observation import ErrorKind
-from tests.unit.scripted_lab import ScriptedLab, by_id, change, scripted, verdicts
+from tests.unit.scripted_lab import by_id, change, scripted, verdicts
 
 IDS = ["add", "capital", "colors"]
-
-
-@pytest.fixture
-def make(tmp_path):
-    labs = []
-
-    def build(backends: str, **kwargs) -> ScriptedLab:
-        lab = ScriptedLab(tmp_path, backends, **kwargs)
-        labs.append(lab)
-        return lab
-
-    yield build
-    for lab in labs:
-        lab.close()
 
 
 def test_first_pass_is_the_baseline_and_an_unchanged_pass_is_identical(make):
