@@ -183,6 +183,21 @@ def max_abs_delta(x: Point, b: Point) -> float:
     return max((abs(x.coords[k] - b.coords[k]) for k in aligned(x, b)), default=0.0)
 
 
+def noise_floor(model: NoiseModel) -> float:
+    """The largest |Δ logprob| between two of the K honest probes at one aligned coordinate, in nats: how
+    far this backend's own answers move from call to call (0 in the exact regime). A reference check
+    counts nothing within it as evidence (`canaryd.probe.reference.run_checks`): a provider whose logprobs
+    wander this much between its own calls wanders as much from a deterministic reference. The largest
+    move at one token, not a mean, bounds the logprob gap too (itself a mean): a floor of the chosen
+    tokens' mean moves called 5–41% of honest tests a mismatch under the detection bench's mode noise
+    (a provider's modes can all lie to one side of the reference), this one none of 5,000."""
+    refs = model.refs
+    return max(
+        (max_abs_delta(a, b) for i, a in enumerate(refs) for b in refs[i + 1 :] if a.coords and b.coords),
+        default=0.0,
+    )
+
+
 def robust_spread(values: Sequence[float]) -> float:
     """max(1.4826·MAD, range/4, S_FLOOR): the MAD for a bulk, the range for a few discrete modes."""
     med = statistics.median(values)

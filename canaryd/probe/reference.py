@@ -13,9 +13,9 @@ score makes the check an error reason (never an ``identical``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from canaryd.backends import Backend, make_backend
 from canaryd.canaries import Canary
@@ -60,6 +60,7 @@ class Cycle:
     checks: dict[str, Check]
     p_values: dict[str, float]
     decision: ReferenceDecision
+    floors: dict[str, float] = field(default_factory=dict)  # the provider's noise floor per canary (nats)
 
     @property
     def max_parting_nats(self) -> float | None:
@@ -74,7 +75,8 @@ def checkable(canary: Canary, obs: Observation) -> bool:
     return plain and canary.decoding.samples == 1 and obs.ok and bool(obs.text) and obs.tool_calls is None
 
 
-def _forced(canary: Canary, text: str) -> Canary:
+def scoring(canary: Canary, text: str) -> Canary:
+    """The canary as a forced one whose continuation is ``text``: what the reference scores."""
     decoding = canary.decoding.model_copy(update={"top_logprobs": max(1, canary.decoding.top_logprobs)})
     return canary.model_copy(update={"continuation": text, "decoding": decoding})
 
@@ -92,7 +94,7 @@ def _own(reference: Backend, canary: Canary) -> tuple[list[TokenLogprob], float 
         return _failed(own, "the reference's own answer")
     if not own.text:
         return [], None
-    scored = vet.probe(reference, _forced(canary, own.text))
+    scored = vet.probe(reference, scoring(canary, own.text))
     if not scored.ok:
         return _failed(scored, "scoring its own answer")
     generated = own.tokens if own.has_logprobs else ()
@@ -102,7 +104,7 @@ def _own(reference: Backend, canary: Canary) -> tuple[list[TokenLogprob], float 
 def check_one(reference: Backend, canary: Canary, obs: Observation) -> Check:
     """Score the provider's answer and, twice, the reference's own on the reference; never raises."""
     try:
-        scored = vet.probe(reference, _forced(canary, obs.text or ""))
+        scored = vet.probe(reference, scoring(canary, obs.text or ""))
         if not scored.ok:
             return Check(error=_failed(scored, "scoring the answer"))
         first, second = _own(reference, canary), _own(reference, canary)
@@ -124,9 +126,18 @@ def check_one(reference: Backend, canary: Canary, obs: Observation) -> Check:
 
 
 def run_checks(
-    config: Config, name: str, canaries: Sequence[Canary], sent: Sequence[list[Observation]]
+    config: Config,
+    name: str,
+    canaries: Sequence[Canary],
+    sent: Sequence[list[Observation]],
+    floors: Mapping[str, float] | None = None,
 ) -> Cycle | None:
-    """The reference checks of backend ``name``'s cycle (None when it names no reference)."""
+    """The reference checks of backend ``name``'s cycle (None when it names no reference).
+
+    ``floors``: each canary's calibrated noise floor on the provider (`stats.noise_floor`). A parting or
+    gap within it, or within ``logprob_tolerance``, is no evidence: the reference's own noise says nothing
+    of the provider's (a GPU provider's logprobs wander where a CPU reference's never do), and without
+    this floor such a provider serving the claimed weights would be a mismatch in every cycle."""
     ref_name = config.backend(name).reference
     if ref_name is None:
         return None
@@ -142,13 +153,19 @@ def run_checks(
     by_id = {c.id: check for (c, _), check in zip(todo, checks, strict=True)}
     null = [c.noise for c in by_id.values() if c.noise is not None]
     gap_null = [g for c in by_id.values() for g in c.gap_noise]
-    tolerance = config.compare.logprob_tolerance
+    floors = {cid: f for cid, f in (floors or {}).items() if cid in by_id}
     p = {
-        cid: canary_p_value(c.parting, null, c.divergence.logprob_gap, gap_null, tolerance)
+        cid: canary_p_value(
+            c.parting,
+            null,
+            c.divergence.logprob_gap,
+            gap_null,
+            max(config.compare.logprob_tolerance, floors.get(cid, 0.0)),
+        )
         for cid, c in by_id.items()
         if c.parting is not None and c.divergence is not None
     }
-    return Cycle(ref_name, by_id, p, decide(p, config.compare.alpha))
+    return Cycle(ref_name, by_id, p, decide(p, config.compare.alpha), floors)
 
 
 def evidence(cycle: Cycle, canary_id: str) -> dict:
@@ -161,6 +178,7 @@ def evidence(cycle: Cycle, canary_id: str) -> dict:
         "parting_nats": check.parting,
         "noise_nats": check.noise,
         "gap_noise_nats": list(check.gap_noise),
+        "provider_noise_nats": cycle.floors.get(canary_id),
         "p_value": cycle.p_values.get(canary_id),
         "cycle_p_value": cycle.decision.p_value,
         "mismatch": canary_id in cycle.decision.out,
@@ -194,10 +212,15 @@ def apply(cycle: Cycle | None, canary_id: str, comparison: Comparison) -> Compar
             f"reference {cycle.reference!r} would not answer this: where the answers part it ranks them "
             f"{check.parting:.4g} nats apart (its own two answers: {check.noise:.4g}); the answer scores "
             f"{d.mean_nats:.4g} nats/token off its choices (max {d.max_nats:.4g}, {d.tokens} tokens; its own "
-            f"answer {own}){gap}; p = {cycle.p_values[canary_id]:.3g}",
+            f"answer {own}){gap}{_floor(cycle, canary_id)}; p = {cycle.p_values[canary_id]:.3g}",
         )
         verdict = Verdict.most_severe([verdict, Verdict.REFERENCE_MISMATCH])
     return replace(comparison, verdict=verdict, reasons=reasons, reference=evidence(cycle, canary_id))
+
+
+def _floor(cycle: Cycle, canary_id: str) -> str:
+    floor = cycle.floors.get(canary_id)
+    return f"; beyond this backend's own noise floor of {floor:.3g} nats" if floor else ""
 
 
 def failed(reference: str, canary_ids: Sequence[str], error: str) -> Cycle:

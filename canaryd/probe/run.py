@@ -24,7 +24,7 @@ from canaryd.canaries import Canary, Suite, load_suites
 from canaryd.config import Config
 from canaryd.errors import InputError
 from canaryd.judge.compare import Comparison, Decision, Verdict, decide
-from canaryd.judge.stats import DetectorState
+from canaryd.judge.stats import CalibrationError, DetectorState, NoiseModel, noise_floor
 from canaryd.observation import ErrorKind, Observation, storable, utcnow
 from canaryd.probe import reference, vet
 from canaryd.probe.shapes import Judged, shape_of
@@ -94,18 +94,18 @@ def probe_backend(backend: Backend, canaries: Sequence[Canary], store: Store, co
 
     with _workers(f"probe-{backend.name}", backend.concurrency) as ex:
         sent = list(ex.map(progress.counted(one), canaries))
-    referenced = _reference_checks(config, backend.name, canaries, sent, bound)
-
+    for observations in sent:
+        for obs in observations:
+            if obs.ok:
+                obs.stack = {**stack, **obs.stack}
     try:  # baselines and calibrations, re-read only when they changed
         reads: Judging | Store = store.judging(backend.name)
     except Exception:  # each canary reads its own, and a failure costs only that canary
         bound.exception("judging_reads_failed")
         reads = store
+    referenced = _reference_checks(config, reads, backend.name, canaries, sent, bound)
     judged = []
     for canary, observations in zip(canaries, sent, strict=True):
-        for obs in observations:
-            if obs.ok:
-                obs.stack = {**stack, **obs.stack}
         try:
             judged.append(shape_of(canary).judge(reads, config.compare, canary, observations))
         except Exception as e:  # a judging bug: this canary's observations become errors, the pass goes on
@@ -182,16 +182,45 @@ def probe_backend(backend: Backend, canaries: Sequence[Canary], store: Store, co
 
 
 def _reference_checks(
-    config: Config, name: str, canaries: Sequence[Canary], sent: list[list[Observation]], bound: Any
+    config: Config,
+    reads: Judging | Store,
+    name: str,
+    canaries: Sequence[Canary],
+    sent: list[list[Observation]],
+    bound: Any,
 ) -> reference.Cycle | None:
     """The backend's reference checks (`probe/reference.py`), if it names a reference; a failure of the
     step itself costs the checks (each answer then carries it as an error reason), never the pass."""
+    if config.backend(name).reference is None:
+        return None
     try:
-        return reference.run_checks(config, name, canaries, sent)
+        return reference.run_checks(config, name, canaries, sent, _noise_floors(reads, name, canaries, sent))
     except Exception as e:
         bound.exception("reference_failed")
         ids = [c.id for c, obs in zip(canaries, sent, strict=True) if obs and reference.checkable(c, obs[0])]
         return reference.failed(config.backend(name).reference or "?", ids, _describe(e))
+
+
+def _noise_floors(
+    reads: Judging | Store, name: str, canaries: Sequence[Canary], sent: list[list[Observation]]
+) -> dict[str, float]:
+    """Each answered canary's calibrated noise floor on this backend (`stats.noise_floor`): under the
+    configuration that answered, else under the latest one calibrated (a provider's noise is more its
+    hardware's than one configuration's, and a fleet rotating new ones would otherwise meet a floor of 0);
+    a canary without a usable calibration has none."""
+    floors = {}
+    for canary, observations in zip(canaries, sent, strict=True):
+        if not observations or not observations[0].ok:
+            continue
+        configuration = configuration_of(observations[0].stack)
+        doc = reads.calibration(name, canary.id, configuration) or reads.calibration(name, canary.id)
+        if not doc:
+            continue
+        try:
+            floors[canary.id] = noise_floor(NoiseModel.from_dict(doc))
+        except (CalibrationError, KeyError, TypeError, ValueError):  # the judge reports a refused model
+            continue
+    return floors
 
 
 REPLACED = (

@@ -199,6 +199,27 @@ def test_the_same_answers_with_moved_logprobs_are_a_mismatch_when_the_provider_r
     assert any("its logprobs lie" in r for r in c.reasons)
 
 
+def test_a_noisy_provider_is_held_to_its_own_calibrated_noise_not_the_deterministic_references(make):
+    """A provider whose logprobs wander between calls (a GPU's) shows a gap to a deterministic reference
+    on the same weights; uncalibrated that gap is a mismatch, once calibrated its own noise floor covers
+    it (a configuration it was not calibrated under too), and a shift well beyond that floor is caught."""
+    from canaryd.probe.calibrate import calibrate
+
+    moves = change(at=9, fingerprint="fp_new") + change(at=13, logprob_shift=-0.5)
+    lab = make(scripted(reference="ref", noise=0.01, body=moves))
+    lab.cycle()
+    assert "reference-mismatch" in verdicts(lab.cycle()).values()  # no floor yet: the gap counts
+    calibrate(lab.backend(), lab.canaries(), lab.store, k=8, batch_sizes=[1])
+    for _ in range(10):  # passes 3 to 12; from 9 on another configuration answers
+        run = lab.cycle()
+        assert "reference-mismatch" not in verdicts(run).values()
+    ev = by_id(run)["add"].comparison.reference
+    assert 0.0 < ev["divergence"]["logprob_gap"] < ev["provider_noise_nats"] < 0.1
+    c = by_id(lab.cycle())["add"].comparison  # pass 13 on: every logprob 0.5 nats lower
+    assert c.verdict.value == "reference-mismatch" and c.reference["divergence"]["logprob_gap"] > 0.3
+    assert any("beyond this backend's own noise floor of" in r for r in c.reasons)
+
+
 def test_a_provider_without_logprobs_is_checked_all_the_same(make):
     lab = make(scripted(reference="ref", logprobs=False, answers={"add": "41"}))
     run = lab.cycle()

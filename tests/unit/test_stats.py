@@ -22,6 +22,7 @@ from canaryd.judge.stats import (
     cycle_evalue,
     fit,
     min_out_for,
+    noise_floor,
     p_to_e,
     score,
 )
@@ -350,3 +351,14 @@ def test_an_exact_regime_blip_cannot_latch_the_alarm_but_a_change_that_stays_doe
     assert decide(ids, [same, same, blip], state, arl=1e4).state.alarm
     # a blip of min_out canaries at once is as unlikely as min_out conformal outs: the fast path takes it
     assert decide(ids, [blip, blip, same], DetectorState(), arl=1e4, min_out=2).state.alarm
+
+
+def test_the_noise_floor_is_the_largest_move_between_two_honest_probes_where_they_align():
+    rows = [[-0.1, -3.0], [-0.2, -4.0]]
+    assert noise_floor(fit([obs(rows)] * 3)) == 0.0  # the exact regime
+    moved = [[-0.1, -3.0], [-0.2, -4.3]]
+    assert noise_floor(fit([obs(rows), obs(moved), obs(rows)])) == pytest.approx(0.3)
+    # after the position where two probes part (same context: compared) the contexts differ: not compared
+    three = [*rows, [-0.5, -1.0]]
+    parted = fit([obs(three, [0, 0, 0]), obs([[-0.15, -3.0], [-0.25, -3.9], [-7.0, -0.01]], [0, 1, 1])])
+    assert noise_floor(parted) == pytest.approx(0.1)
