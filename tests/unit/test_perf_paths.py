@@ -177,7 +177,9 @@ def test_a_pass_reuses_the_threads_of_the_last_one_and_passes_at_once_get_their_
     from canaryd.probe.run import _workers
 
     def names(ex) -> set[int]:
-        return set(ex.map(lambda _: threading.get_ident(), range(8)))
+        """The threads of two tasks that wait for each other: both workers, however loaded the machine."""
+        both = threading.Barrier(2)
+        return set(ex.map(lambda _: (both.wait(timeout=10), threading.get_ident())[1], range(2)))
 
     with _workers("probe-b", 2) as ex:
         first = names(ex)
