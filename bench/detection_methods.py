@@ -13,6 +13,7 @@ import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 
@@ -23,8 +24,8 @@ from canaryd.config import CompareConfig
 from canaryd.judge import reference
 from canaryd.judge.compare import Comparison, compare, decide
 from canaryd.judge.sampled import answer, answer_test
-from canaryd.judge.stats import DetectorState, NoiseModel, fit
-from canaryd.observation import Observation
+from canaryd.judge.stats import DetectorState, NoiseModel, fit, noise_floor
+from canaryd.observation import Observation, TokenLogprob
 from canaryd.probe.calibrate import MIN_PROBES
 from canaryd.probe.reference import Check
 from canaryd.stack import configuration_of
@@ -72,6 +73,8 @@ class Reference:
     forced: list[Canary] = field(default_factory=list)
     forced_calibration: dict[str, list[Observation]] = field(default_factory=dict)
     checks: dict[tuple, Check] = field(default_factory=dict)  # `detection_lab.check_key` → its check
+    # `detection_lab.check_key` → the reference's scoring of that answer's text
+    scored: dict[tuple, tuple[TokenLogprob, ...]] = field(default_factory=dict)
 
 
 Method = Callable[[Reference, Served, object, float, random.Random], dict[int, list[Outcome]]]
@@ -176,30 +179,56 @@ def canaryd_forced(ref: Reference, served: Served, settings, alpha: float, rng: 
     return detector_method(ref.forced, known, served.extra["forced"], settings, alpha, rng)
 
 
+Floors = dict[str, dict[str, float]]  # canary → configuration → the provider's noise floor (nats)
+
+
+def floors_of(known: Known) -> Floors:
+    """What the provider's calibration sets as the reference check's bar (`stats.noise_floor`)."""
+    return {cid: {cfg: noise_floor(model) for cfg, (_, model) in per.items()} for cid, per in known.items()}
+
+
+def reference_outcomes(
+    ref: Reference, cycles: Sequence[dict[str, tuple[Observation, Observation]]], floors: Floors, alpha: float
+) -> dict[int, Outcome]:
+    """The reference check over the cycles (canary → the answer as served, and as the provider reported
+    its logprobs): each answer's parting and its logprob gap to the reference's scoring tested against the
+    reference's own (`canaryd.judge.reference.canary_p_value`), within the provider's noise floor under the
+    answer's configuration as canaryd applies it, Bonferroni over the canaries at alpha / R per cycle (a
+    union bound over a test's R cycles). The test of r cycles is their first r. Score: (alarm on, largest
+    gap, largest parting)."""
+    tolerance = CompareConfig().logprob_tolerance
+    alarmed, gap, part, after = False, 0.0, 0.0, {}
+    for j, cycle in enumerate(cycles, 1):
+        checks = {cid: ref.checks[check_key(served)] for cid, (served, _) in cycle.items()}
+        null = [x.noise for x in checks.values() if x.noise is not None]
+        gap_null = [g for x in checks.values() for g in x.gap_noise]
+        p, gaps = {}, []
+        for cid, (served, reported) in cycle.items():
+            x = checks[cid]
+            g = reference.divergence(ref.scored[check_key(served)], reported.tokens).logprob_gap
+            per = floors[cid]
+            floor = per.get(configuration_of(served.stack), next(iter(per.values())))
+            p[cid] = reference.canary_p_value(x.parting, null, g, gap_null, max(tolerance, floor))
+            gaps.append(g or 0.0)
+        alarmed = alarmed or reference.decide(p, alpha / len(cycles)).mismatch
+        gap = max(gap, *gaps)
+        part = max(part, *(x.parting or 0.0 for x in checks.values()))
+        after[j] = Outcome(alarmed, (alarmed, gap, part))
+    return after
+
+
 def canaryd_reference(ref: Reference, served: Served, settings, alpha: float, rng: random.Random) -> dict:
     """The reference check: each greedy answer re-scored on the reference (the baseline server: the weights
-    the variant claims), its parting from the reference's own answer and its logprob gap tested against the
-    reference's own (`canaryd.judge.reference.canary_p_value`), Bonferroni over the canaries at alpha / R
-    per cycle (a union bound over a test's up to R cycles). Score: (alarm on, largest gap, largest
-    parting)."""
+    the variant claims), as `reference_outcomes` judges it, the provider's floors from the deployment."""
+    floors = floors_of(deployment(served.extra.get("calibration", ref.calibration)))
     longest = max(settings.r_probes)
-    tolerance = CompareConfig().logprob_tolerance
     out: dict[int, list[Outcome]] = {r: [] for r in settings.r_probes}
     for _ in range(settings.trials):
-        alarmed, gap, part, after = False, 0.0, 0.0, {}
-        for j in range(1, longest + 1):
-            checks = {c.id: ref.checks[check_key(rng.choice(served.greedy[c.id]))] for c in ref.canaries}
-            null = [x.noise for x in checks.values() if x.noise is not None]
-            gap_null = [g for x in checks.values() for g in x.gap_noise]
-            p = {
-                cid: reference.canary_p_value(x.parting, null, x.divergence.logprob_gap, gap_null, tolerance)
-                for cid, x in checks.items()
-                if x.parting is not None and x.divergence is not None
-            }
-            alarmed = alarmed or reference.decide(p, alpha / longest).mismatch
-            gap = max(gap, *(x.divergence.logprob_gap or 0.0 for x in checks.values() if x.divergence))
-            part = max(part, *(x.parting or 0.0 for x in checks.values()))
-            after[j] = Outcome(alarmed, (alarmed, gap, part))
+        cycles = []
+        for _ in range(longest):
+            picks = {c.id: rng.choice(served.greedy[c.id]) for c in ref.canaries}
+            cycles.append({cid: (o, o) for cid, o in picks.items()})
+        after = reference_outcomes(ref, cycles, floors, alpha)
         for r in settings.r_probes:
             out[r].append(after[r])
     return out
@@ -326,51 +355,92 @@ def shimmed_deployment(
     )
 
 
+# canaryd's modes under the shim: (row, canaries, the served pools, the calibration a deployment keeps)
+def _shim_modes(ref: Reference, served: Served) -> list[tuple[str, list[Canary], dict, dict]]:
+    return [
+        ("canaryd", ref.canaries, served.greedy, served.extra.get("calibration", ref.calibration)),
+        (
+            "canaryd teacher-forced",
+            ref.forced,
+            served.extra["forced"],
+            served.extra.get("forced calibration", ref.forced_calibration),
+        ),
+    ]
+
+
+def _shim_trial(
+    ref: Reference,
+    mode: tuple[str, list[Canary], dict, dict],
+    deployed: tuple[Known, Floors],
+    moving: Callable[[Observation], Observation],
+    settings,
+    alpha: float,
+    rng: random.Random,
+) -> dict[str, dict[int, Outcome]]:
+    """One trial of one canaryd mode under the shim, row → budget → outcome: the detector (knobs from alpha,
+    and the shipped defaults) and, on the shipped canaries' answers, the reference check."""
+    name, canaries, pools, _ = mode
+    known, floors = deployed
+    longest = max(settings.r_probes)
+    k = min(len(model.loo) for per in known.values() for _, model in per.values())
+    rules = {name: alpha_rule(alpha, longest, k, len(canaries))}
+    if name == "canaryd":
+        rules[f"canaryd (defaults: arl {DEFAULT_RULE.arl:g})"] = DEFAULT_RULE
+    drawn = [{cn.id: rng.choice(pools[cn.id]) for cn in canaries} for _ in range(longest)]
+    moved = [{cid: moving(o) for cid, o in cycle.items()} for cycle in drawn]
+    cycles = [{cn.id: judged(cn, known, m[cn.id]) for cn in canaries} for m in moved]
+    out = {row: detector_outcomes(cycles, rule, settings.r_probes) for row, rule in rules.items()}
+    if name == "canaryd":  # the same answers as served, and with the provider's logprobs as reported
+        pairs = [{cid: (a[cid], m[cid]) for cid in a} for a, m in zip(drawn, moved, strict=True)]
+        after = reference_outcomes(ref, pairs, floors, alpha)
+        out["canaryd reference"] = {r: after[r] for r in settings.r_probes}
+    return out
+
+
 def shim_outcomes(
     sigma: float, ref: Reference, servers: dict[str, list[Served]], settings, alpha: float, seed: int
 ) -> dict[tuple[str, str], dict[int, list[Outcome]]]:
-    """canaryd and LT when every logprob carries SYNTHETIC mode noise of scale sigma (text methods are
-    untouched: the shim never changes a token).
+    """canaryd (shipped, teacher-forced, reference) and LT when every logprob the tested server gives
+    carries SYNTHETIC mode noise of scale sigma (text methods are untouched: the shim never changes a token).
 
     Each deployment draws fresh mode offsets and a fresh calibration (canaryd's K probes over SHIM_CAL_DAYS
-    days; LT's reference window on one day); each trial is a new day for the tested server."""
+    days; LT's reference window on one day); each trial is a new day for the tested server. The reference
+    check scores the shimmed answers on an unshimmed reference (a local deterministic engine, as vLLM CPU
+    is), within the provider's noise floor from the shimmed calibration."""
     c = len(ref.canaries)
     out: dict[tuple[str, str], dict[int, list[Outcome]]] = {}
-    longest = max(settings.r_probes)
     b = permutations_for(alpha)
+
+    def add(name: str, variant: str, r: int, o: Outcome) -> None:
+        out.setdefault((name, variant), {}).setdefault(r, []).append(o)
+
     for d in range(settings.deployments):
         rng = random.Random(f"{seed}-{sigma}-{d}")
         npr = np.random.default_rng(rng.getrandbits(63))
         shim = Shim(sigma, rng)
         mixes = [shim.day() for _ in range(SHIM_CAL_DAYS)]
-        deployed: dict[int, Known] = {}  # by id of the calibration probes: the baseline server's, the fleet's
+        # by id of the calibration probes (the baseline server's, the fleet's): the deployment, its floors
+        deployed: dict[int, tuple[Known, Floors]] = {}
         lt_day = shim.day()
         for variant, served in servers.items():
             trials = settings.null_trials if variant == "N0" else settings.trials
             for t in range(math.ceil(trials / settings.deployments)):
                 s = served[t % len(served)]
-                probes = s.extra.get("calibration", ref.calibration)
-                if id(probes) not in deployed:
-                    deployed[id(probes)] = shimmed_deployment(shim, mixes, probes)
-                known = deployed[id(probes)]
-                k = min(len(model.loo) for per in known.values() for _, model in per.values())
-                rules = {
-                    "canaryd": alpha_rule(alpha, longest, k, c),
-                    f"canaryd (defaults: arl {DEFAULT_RULE.arl:g})": DEFAULT_RULE,
-                }
                 mix = shim.day()
-                cycles = [
-                    {cn.id: judged(cn, known, shim(rng.choice(s.greedy[cn.id]), mix)) for cn in ref.canaries}
-                    for _ in range(longest)
-                ]
-                for name, rule in rules.items():
-                    for r, o in detector_outcomes(cycles, rule, settings.r_probes).items():
-                        out.setdefault((name, variant), {}).setdefault(r, []).append(o)
+                for mode in _shim_modes(ref, s):
+                    probes = mode[3]
+                    if id(probes) not in deployed:
+                        known = shimmed_deployment(shim, mixes, probes)
+                        deployed[id(probes)] = known, floors_of(known)
+                    trial = _shim_trial(
+                        ref, mode, deployed[id(probes)], partial(shim, mix=mix), settings, alpha, rng
+                    )
+                    for row, by_r in trial.items():
+                        for r, o in by_r.items():
+                            add(row, variant, r, o)
                 for r in settings.r_probes:
                     w1 = [lt_row(shim(o, lt_day)) for o in draw(ref.lt, c * r, rng)]
                     w2 = [lt_row(shim(o, mix)) for o in draw(s.lt, c * r, rng)]
                     p = lt_test(w1, w2, permutations=b, rng=npr).p_value
-                    out.setdefault(("LT (top-20, 1 token)", variant), {}).setdefault(r, []).append(
-                        Outcome(p <= alpha, -p)
-                    )
+                    add("LT (top-20, 1 token)", variant, r, Outcome(p <= alpha, -p))
     return out

@@ -137,18 +137,20 @@ def targets(figs: dict, cells: Cells, tokens: dict[str, float], c: int, scored: 
 
     ``c``: canaries per cycle; ``scored``: the answer tokens per greedy request, what a reference check
     scores (Token-DiFR's unit)."""
-    ours = figs["methods"]["canaryd"]
     lines = []
-    for name in ("canaryd", "canaryd teacher-forced"):
-        for variant in ("N0", "F"):
-            by_r = cells.get((name, variant), {})
-            hits = sum(o.reject for x in by_r.values() for o in x)
-            tests = sum(len(x) for x in by_r.values())
-            if tests:
-                lines.append(
-                    f"{name}: 0 false alarms on {variant}: {'met' if hits == 0 else 'NOT met'} "
-                    f"({hits} of {tests} tests)"
-                )
+    # the fleet is honest for canaryd's own modes; for the reference check its bf16 member is a true mismatch
+    honest = [("canaryd", "N0"), ("canaryd", "F"), ("canaryd teacher-forced", "N0")]
+    honest += [("canaryd teacher-forced", "F"), ("canaryd reference", "N0")]
+    for name, variant in honest:
+        by_r = cells.get((name, variant), {})
+        hits = sum(o.reject for x in by_r.values() for o in x)
+        tests = sum(len(x) for x in by_r.values())
+        if tests:
+            worst = max(sum(o.reject for o in x) / len(x) for x in by_r.values())
+            lines.append(
+                f"{name}: 0 false alarms on {variant}: {'met' if hits == 0 else 'NOT met'} "
+                f"({hits} of {tests} tests; at most {worst:.1%} of one budget's, where α bounds each)"
+            )
     for name in ("canaryd", "canaryd teacher-forced"):
         if name not in figs["methods"]:
             continue
@@ -161,16 +163,18 @@ def targets(figs: dict, cells: Cells, tokens: dict[str, float], c: int, scored: 
                 else f"not measurable (one request costs {tokens[name]:.0f} tokens)"
             )
         )
-    for peer in ("LT (top-20, 1 token)", "MET (Hamming MMD, T=1)"):
-        theirs = figs["methods"].get(peer)
-        if theirs is None:
-            continue
-        common = sorted(set(ours["ladder_auc"]) & set(theirs["ladder_auc"]))
-        behind = [r for r in common if ours["ladder_auc"][r] < theirs["ladder_auc"][r]]
-        lines.append(
-            f"canaryd: ladder AUC ≥ {peer.split()[0]}'s at every equal request budget: "
-            + ("met" if not behind else "NOT met at r = " + ", ".join(map(str, behind)))
-        )
+    for name in ("canaryd", "canaryd teacher-forced"):
+        ours = figs["methods"].get(name)
+        for peer in ("LT (top-20, 1 token)", "MET (Hamming MMD, T=1)"):
+            theirs = figs["methods"].get(peer)
+            if ours is None or theirs is None:
+                continue
+            common = sorted(set(ours["ladder_auc"]) & set(theirs["ladder_auc"]))
+            behind = [r for r in common if ours["ladder_auc"][r] < theirs["ladder_auc"][r]]
+            lines.append(
+                f"{name}: ladder AUC ≥ {peer.split()[0]}'s at every equal request budget: "
+                + ("met" if not behind else "NOT met at r = " + ", ".join(map(str, behind)))
+            )
     for variant in ("Q2", "Q1"):
         cell = figs["cells"].get(f"canaryd reference | {variant}")
         if cell is None:

@@ -1,5 +1,6 @@
 """The detection bench's canaryd rows: a deployment per serving configuration, the fleet composed with a
-replaced member, and the reference row's test, on synthetic observations with known answers."""
+replaced member, the reference row's test, and the SYNTHETIC shim's rows, on synthetic observations with
+known answers."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from bench.detection_lab import Served, check_key, composed
-from bench.detection_methods import Reference, canaryd_reference, deployment, judged
+from bench.detection_methods import Reference, canaryd_reference, deployment, judged, shim_outcomes
 from canaryd.canaries import Canary, Decoding
 from canaryd.judge.compare import Verdict
 from canaryd.judge.reference import Divergence
@@ -19,10 +20,11 @@ from canaryd.stack import configuration_of
 CANARY = Canary(id="c", prompt="2+3=", decoding=Decoding(max_tokens=2, top_logprobs=2), suite="t")
 
 
-def obs(fp: str, lp: float, text: str = "5", canary: str = "c") -> Observation:
+def obs(fp: str, lp: float, text: str = "5", canary: str = "c", n: int = 1) -> Observation:
+    """An answer of ``n`` tokens, each ``text`` at logprob ``lp``."""
     o = Observation("b", canary, "t", datetime(2026, 1, 1, tzinfo=UTC), {}, "r")
-    o.text, o.system_fingerprint, o.finish_reason = text, fp, "stop"
-    o.tokens = [TokenLogprob(text, lp, top=((text, lp), ("x", lp - 3.0)))]
+    o.text, o.system_fingerprint, o.finish_reason = text * n, fp, "stop"
+    o.tokens = [TokenLogprob(text, lp, top=((text, lp), ("x", lp - 3.0)))] * n
     o.stack = {"response.system_fingerprint": fp}
     return o
 
@@ -71,7 +73,7 @@ class Settings:
 
 
 def test_the_reference_row_alarms_where_an_answer_parts_or_its_logprobs_move():
-    ref = Reference([CANARY], {}, {}, {}, {}, [], 4)
+    ref = Reference([CANARY], {"c": [obs("f32", -0.5)] * 4}, {}, {}, {}, [], 4)  # floor 0: exact
     same = Divergence(0.0, 0.0, 1, logprob_gap=0.0)
     ref.checks = {
         check_key(obs("f32", -0.5, "5")): Check(same, parting=0.0, noise=0.0, gap_noise=(0.0, 0.0)),
@@ -81,6 +83,7 @@ def test_the_reference_row_alarms_where_an_answer_parts_or_its_logprobs_move():
             Divergence(0.0, 0.0, 1, logprob_gap=0.1), parting=0.0, noise=0.0, gap_noise=(0.0,)
         ),
     }
+    ref.scored = {k: tuple(obs("f32", -0.5, k[1]).tokens) for k in ref.checks}  # the reference's scores
     honest = served("N0", [obs("f32", -0.5, "5")] * 4)
     out = canaryd_reference(ref, honest, Settings(), 0.01, random.Random(0))
     assert not any(o.reject for r in out.values() for o in r)
@@ -95,3 +98,55 @@ def test_the_reference_row_alarms_where_an_answer_parts_or_its_logprobs_move():
         ref, served("Q1", [obs("f32", -0.6, "5")] * 2), Settings(), 0.01, random.Random(0)
     )
     assert all(o.reject for o in out[1])
+
+
+@dataclass(frozen=True)
+class ShimSettings:
+    r_probes: tuple[int, ...] = (1, 2)
+    trials: int = 20
+    null_trials: int = 40
+    deployments: int = 2
+
+
+def test_the_shim_moves_every_canaryd_mode_and_lt_alike():
+    """canaryd's three modes and LT get shimmed rows; an honest server gives no canaryd mode more than a
+    few alarms under the noise (the reference check: within the provider's noise floor), a shift far
+    beyond it is caught in every test."""
+    ids, forced_ids = [f"c{i}" for i in range(6)], [f"f{i}" for i in range(6)]
+    canaries = [CANARY.model_copy(update={"id": i}) for i in ids]
+    forced = [CANARY.model_copy(update={"id": i, "continuation": "5"}) for i in forced_ids]
+
+    def pools(lp: float, names: list[str], n: int) -> dict[str, list[Observation]]:
+        return {cid: [obs("f32", lp, canary=cid, n=4) for _ in range(n)] for cid in names}
+
+    def server(variant: str, lp: float) -> Served:
+        greedy = pools(lp, ids, 8)
+        return Served(
+            variant,
+            greedy,
+            greedy,
+            greedy["c0"],
+            1.0,
+            1.0,
+            1.0,
+            0.0,
+            1.0,
+            {"forced": pools(lp, forced_ids, 8)},
+        )
+
+    ref = Reference(canaries, pools(-0.5, ids, 20), {}, {}, {}, pools(-0.5, ["c0"], 8)["c0"], 20)
+    ref.forced, ref.forced_calibration = forced, pools(-0.5, forced_ids, 20)
+    # the reference (unshimmed) scores every answer's "5" at -0.5, and answers "5" itself
+    same = Check(Divergence(0.0, 0.0, 1, logprob_gap=0.0), parting=0.0, noise=0.0, gap_noise=(0.0, 0.0))
+    for lp in (-0.5, -1.5):
+        for cid in ids:
+            key = check_key(obs("f32", lp, canary=cid, n=4))
+            ref.checks[key], ref.scored[key] = same, tuple(obs("f32", -0.5, canary=cid, n=4).tokens)
+    servers = {"N0": [server("N0", -0.5)], "G": [server("G", -1.5)]}
+    out = shim_outcomes(0.003, ref, servers, ShimSettings(), 0.01, 0)
+    # the provider's shimmed logprobs lie off the reference's, within the floor its calibration shows
+    for name in ("canaryd", "canaryd teacher-forced", "canaryd reference"):
+        assert sum(len(x) for x in out[(name, "N0")].values()) == 2 * 40
+        assert sum(o.reject for x in out[(name, "N0")].values() for o in x) <= 4  # α = 0.01 per test
+        assert all(o.reject for o in out[(name, "G")][1])
+    assert set(out[("LT (top-20, 1 token)", "G")]) == {1, 2}
