@@ -199,13 +199,14 @@ def reference_outcomes(
     tolerance = CompareConfig().logprob_tolerance
     alarmed, gap, part, after = False, 0.0, 0.0, {}
     for j, cycle in enumerate(cycles, 1):
-        checks = {cid: ref.checks[check_key(served)] for cid, (served, _) in cycle.items()}
+        keys = {cid: check_key(served) for cid, (served, _) in cycle.items()}
+        checks = {cid: ref.checks[key] for cid, key in keys.items()}
         null = [x.noise for x in checks.values() if x.noise is not None]
         gap_null = [g for x in checks.values() for g in x.gap_noise]
         p, gaps = {}, []
         for cid, (served, reported) in cycle.items():
             x = checks[cid]
-            g = reference.divergence(ref.scored[check_key(served)], reported.tokens).logprob_gap
+            g = reference.divergence(ref.scored[keys[cid]], reported.tokens).logprob_gap
             per = floors[cid]
             floor = per.get(configuration_of(served.stack), next(iter(per.values())))
             p[cid] = reference.canary_p_value(x.parting, null, g, gap_null, max(tolerance, floor))
