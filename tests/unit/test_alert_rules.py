@@ -153,7 +153,8 @@ def _exported() -> dict[str, set[str]]:
     """Every series name canaryd exports (as Prometheus sees it), with its label names."""
     from prometheus_client.metrics import MetricWrapperBase
 
-    from canaryd.daemon.metrics import PAIR_FAMILIES, Metrics
+    from canaryd.daemon.metric_table import PAIR_FAMILIES
+    from canaryd.daemon.metrics import Metrics
 
     m = Metrics()
     suffixes = {
@@ -169,8 +170,8 @@ def _exported() -> dict[str, set[str]]:
         labels = set(metric._labelnames)  # the constructor's labelnames
         for suffix in suffixes[metric._type]:
             out[metric._name + suffix] = labels | ({"le"} if suffix == "_bucket" else set())
-    for name, _, attr in PAIR_FAMILIES:
-        out[name] = {"backend", "canary"} | ({"verdict"} if attr == "verdict" else set())
+    for f in PAIR_FAMILIES:
+        out[f.name] = set(f.labels)
     assert "canaryd_backend_probes_total" in out and "canaryd_canary_verdict" in out
     return out
 

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from canaryd.daemon.metrics import PAIR_FAMILIES, Metrics
+from canaryd.daemon.metric_table import METRICS
+from canaryd.daemon.metrics import Metrics
 from canaryd.judge.compare import Verdict
 
 REPO = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
@@ -227,12 +228,8 @@ def test_queries_filter_by_job_and_instance(exprs):
 
 @functools.cache
 def _family_labels() -> dict[str, set[str]]:
-    """Family name → label names, from the metric objects on Metrics (the registry omits them until set)."""
-    m = Metrics()
-    out = {v._name: set(v._labelnames) for v in vars(m).values() if hasattr(v, "_labelnames")}
-    for name, _, attr in PAIR_FAMILIES:
-        out[name] = {"backend", "canary"} | ({"verdict"} if attr == "verdict" else set())
-    return out
+    """Family name → label names, from the declaration table (the registry omits them until set)."""
+    return {m.name: set(m.labels) for m in METRICS}
 
 
 def _labels(sample_name: str) -> set[str]:
