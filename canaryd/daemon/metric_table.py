@@ -42,7 +42,7 @@ class MetricDef:
     scope: Scope
     lease_loss: LeaseLoss = LeaseLoss.KEEP
     buckets: tuple[float, ...] = ()  # a histogram's
-    drawn: bool = True  # False: on no dashboard panel (the dashboard test holds the builder to this)
+    drawn: bool = True  # False: no dashboard panel queries it (tests/unit/test_dashboard.py checks both ways)
 
     @property
     def per_backend(self) -> bool:
@@ -219,14 +219,13 @@ METRICS: tuple[MetricDef, ...] = (
         PASS,
         DROP,
     ),
-    MetricDef(  # set only where failover leases are configured: not drawn, the live check needs data
+    MetricDef(
         "lease_held",
         "canaryd_backend_lease_held",
         "gauge",
         "1 if this daemon holds the backend's probing lease, 0 if another daemon does.",
         B,
         PASS,
-        drawn=False,
     ),
     MetricDef(
         "config_errors",
