@@ -243,7 +243,7 @@ def test_the_registry_is_the_table():
             assert getattr(m, f.attr)._labelnames == f.labels, f.name
 
 
-def _populated(backend: str) -> Metrics:
+def populated(backend: str) -> Metrics:
     """Every series of the table set for ``backend`` (and for a bystander, "z"), through the daemon's
     calls where one sets it (pairs, lease, interval) and directly where only a pass's detail would."""
     m = Metrics()
@@ -261,7 +261,7 @@ def _populated(backend: str) -> Metrics:
     return m
 
 
-def _families_of(m: Metrics, backend: str) -> set[str]:
+def families_of(m: Metrics, backend: str) -> set[str]:
     """The families with a series of ``backend`` in both scrape formats (the same set in each)."""
     out = []
     for accept in ("", "application/openmetrics-text; version=1.0.0"):
@@ -283,26 +283,26 @@ PER_BACKEND = {f.name for f in METRICS if f.per_backend}
 
 
 def test_every_per_backend_series_is_set_by_the_fixture():
-    assert _families_of(_populated("b"), "b") == PER_BACKEND
+    assert families_of(populated("b"), "b") == PER_BACKEND
 
 
 def test_a_backend_dropped_by_a_reload_leaves_no_series():
     """Every per-backend family of the table, as the daemon's reload drops the backend."""
-    m = _populated("b")
+    m = populated("b")
     m.set_intervals([("z", "c", 60.0)])
-    assert _families_of(m, "b") == set()
-    assert _families_of(m, "z") == PER_BACKEND
+    assert families_of(m, "b") == set()
+    assert families_of(m, "z") == PER_BACKEND
 
 
 def test_a_lost_lease_leaves_only_what_the_table_keeps():
     """Counters, the histogram, the interval and the lease itself (at 0) stay; every state the holder now
     reports goes (the pairs, the stack, the detector, reachability, the reference, the text basis)."""
-    m = _populated("b")
+    m = populated("b")
     m.set_lease("b", False)
     keep = {f.name for f in METRICS if f.per_backend and f.lease_loss is LeaseLoss.KEEP}
-    assert _families_of(m, "b") == keep
+    assert families_of(m, "b") == keep
     assert value(m, "canaryd_backend_lease_held", {"backend": "b"}) == 0
-    assert _families_of(m, "z") == PER_BACKEND
+    assert families_of(m, "z") == PER_BACKEND
 
 
 def test_interval_is_the_backends_longest():
