@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Literal
 
 
 class Scope(enum.Enum):
@@ -36,13 +37,17 @@ class MetricDef:
 
     attr: str
     name: str
-    type: str  # "counter", "gauge" or "histogram"
+    type: Literal["counter", "gauge", "histogram"]
     help: str
     labels: tuple[str, ...]
     scope: Scope
-    lease_loss: LeaseLoss = LeaseLoss.KEEP
+    lease_loss: LeaseLoss | None = None  # every per-backend row says, and only those
     buckets: tuple[float, ...] = ()  # a histogram's
     drawn: bool = True  # False: no dashboard panel queries it (tests/unit/test_dashboard.py checks both ways)
+
+    def __post_init__(self) -> None:
+        if self.per_backend != (self.lease_loss is not None):
+            raise ValueError(f"{self.name}: a per-backend series says what a lost lease does to it, no other")
 
     @property
     def per_backend(self) -> bool:
@@ -56,9 +61,10 @@ class MetricDef:
         return self.name + "_total" if self.type == "counter" else self.name
 
 
+# Shorthands for the rows.
 S, B, P = ("schedule",), ("backend",), ("backend", "canary")
 LIVE, PASS, PAIR = Scope.LIVE, Scope.PASS, Scope.PAIR
-DROP = LeaseLoss.DROP
+KEEP, DROP = LeaseLoss.KEEP, LeaseLoss.DROP
 PROBE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 METRICS: tuple[MetricDef, ...] = (
@@ -102,6 +108,7 @@ METRICS: tuple[MetricDef, ...] = (
         "Request latency of the canary probes that got an answer, per backend.",
         B,
         PASS,
+        KEEP,
         buckets=PROBE_BUCKETS,
     ),
     MetricDef(
@@ -111,8 +118,9 @@ METRICS: tuple[MetricDef, ...] = (
         "Longest configured interval between probes of the backend's canaries (staleness alerts).",
         B,
         PASS,
+        KEEP,
     ),
-    MetricDef("probes", "canaryd_backend_probes", "counter", "Canary probes sent.", B, PASS),
+    MetricDef("probes", "canaryd_backend_probes", "counter", "Canary probes sent.", B, PASS, KEEP),
     MetricDef(
         "retries",
         "canaryd_backend_probe_retries",
@@ -120,6 +128,7 @@ METRICS: tuple[MetricDef, ...] = (
         "Extra attempts after transient failures.",
         B,
         PASS,
+        KEEP,
     ),
     MetricDef(
         "failures",
@@ -128,6 +137,7 @@ METRICS: tuple[MetricDef, ...] = (
         "Canary probes that failed, by reason.",
         (*B, "reason"),
         PASS,
+        KEEP,
     ),
     MetricDef(
         "stack_info",
@@ -145,6 +155,7 @@ METRICS: tuple[MetricDef, ...] = (
         "Times a backend's stack snapshot differed from the previous probe's.",
         B,
         PASS,
+        KEEP,
     ),
     MetricDef(
         "fingerprints",
@@ -172,6 +183,7 @@ METRICS: tuple[MetricDef, ...] = (
         "Probes whose serving configuration was new to their canary (verdict new-configuration).",
         B,
         PASS,
+        KEEP,
     ),
     MetricDef(
         "e_cusum",
@@ -226,6 +238,7 @@ METRICS: tuple[MetricDef, ...] = (
         "1 if this daemon holds the backend's probing lease, 0 if another daemon does.",
         B,
         PASS,
+        KEEP,
     ),
     MetricDef(
         "config_errors",
@@ -244,6 +257,7 @@ METRICS: tuple[MetricDef, ...] = (
         "Tokens the backend's answers reported (prompt + completion; reasoning counts in completion).",
         B,
         PASS,
+        KEEP,
     ),
     MetricDef(
         "budget_skips",
@@ -252,6 +266,7 @@ METRICS: tuple[MetricDef, ...] = (
         "Passes of the backend skipped because they would exceed its daily token or request budget.",
         B,
         PASS,
+        KEEP,
     ),
     # -- per canary × backend: canaryd_canary_verdict carries the current verdict as a label, one series
     # per pair (value 1), so alerts and panels select it by name --------------------------------------

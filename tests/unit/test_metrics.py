@@ -16,7 +16,7 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families 
 from prometheus_client.parser import text_string_to_metric_families as parse_text
 
 from canaryd.daemon.httpserver import MetricsServer, anchor, runbook_html, runbook_markdown
-from canaryd.daemon.metric_table import METRICS, PAIR_FAMILIES, LeaseLoss, Scope
+from canaryd.daemon.metric_table import METRICS, PAIR_FAMILIES, LeaseLoss, MetricDef, Scope
 from canaryd.daemon.metrics import Metrics
 from canaryd.judge.compare import compare
 from canaryd.observation import ErrorKind, Observation, TokenLogprob
@@ -241,6 +241,13 @@ def test_the_registry_is_the_table():
     for f in METRICS:
         if f.scope is not Scope.PAIR:
             assert getattr(m, f.attr)._labelnames == f.labels, f.name
+
+
+def test_a_per_backend_row_must_say_what_a_lost_lease_does():
+    with pytest.raises(ValueError, match="lost lease"):
+        MetricDef("x", "canaryd_backend_x", "gauge", "x", ("backend",), Scope.PASS)
+    with pytest.raises(ValueError, match="lost lease"):
+        MetricDef("x", "canaryd_x", "gauge", "x", (), Scope.LIVE, LeaseLoss.DROP)
 
 
 def populated(backend: str) -> Metrics:
