@@ -69,8 +69,8 @@ def sel(attr: str, *matchers: str, suffix: str = "") -> str:
 
 
 class _Table:
-    """``N.probes``: a family's name as PromQL selects it (``canaryd_backend_probes_total``); ``S.probes``:
-    its selector (`sel`). An attribute that is no row of the table fails the build."""
+    """``N.probes``: a family's name as PromQL selects it (a counter's with ``_total``); ``S.probes``: its
+    selector (`sel`). An attribute that is no row of the table fails the build."""
 
     def __init__(self, render) -> None:
         self._render = render

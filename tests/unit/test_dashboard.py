@@ -89,6 +89,10 @@ def test_check_detects_stale_json(tmp_path):
     assert bd.main(["--check", "--output", str(stale)]) == 0
 
 
+def test_the_generator_takes_metric_names_from_the_table():
+    assert not re.findall(r"\bcanaryd_[a-z]+_\w+", GENERATOR.read_text())
+
+
 def test_generation_is_deterministic():
     assert bd.render() == bd.render() == DASHBOARD.read_text()
 
