@@ -12,7 +12,9 @@ A few things the SDK's builders don't express are patched on the built dict in :
 
 Conventions (see the README): a ``datasource`` variable (no ``__inputs``, so both UI import and file
 provisioning work), ``job``/``instance``/``backend``/``canary`` variables, ``$__rate_interval`` in every
-``rate``/``increase`` over a scrape window, and a description and unit on every panel.
+``rate``/``increase`` over a scrape window, and a description and unit on every panel. Metric names come
+from canaryd's metric table (``canaryd/daemon/metric_table.py``) through `N` (names) and `S`/`sel`
+(selectors), never typed here; each dashboard row is one ``*_row`` function, listed in `ROWS`.
 
 :func:`panel_queries` returns every panel target and annotation expression with the template variables
 substituted, for tests that evaluate them against a real Prometheus.
@@ -36,6 +38,7 @@ from grafana_foundation_sdk.models import common as common_m
 from grafana_foundation_sdk.models import dashboard as dash_m
 from grafana_foundation_sdk.models import prometheus as prom_m
 
+from canaryd.daemon.metric_table import BY_ATTR
 from canaryd.judge.verdicts import Verdict
 
 HERE = Path(__file__).resolve().parent
@@ -55,6 +58,30 @@ JOB = 'job=~"$job", instance=~"$instance"'
 BACKEND = JOB + ', backend=~"$backend"'
 CANARY = BACKEND + ', canary=~"$canary"'
 
+
+def sel(attr: str, *matchers: str, suffix: str = "") -> str:
+    """The series of the metric table's family ``attr`` (`canaryd.daemon.metric_table`) as a selector, by
+    the variables for the labels it has ($job and $instance always, $backend and $canary where it has
+    them), then ``matchers``. ``suffix``: a histogram's ``_bucket``."""
+    m = BY_ATTR[attr]
+    scope = CANARY if "canary" in m.labels else BACKEND if "backend" in m.labels else JOB
+    return f"{m.sample}{suffix}{{{', '.join((scope, *matchers))}}}"
+
+
+class _Table:
+    """``N.probes``: a family's name as PromQL selects it (a counter's with ``_total``); ``S.probes``: its
+    selector (`sel`). An attribute that is no row of the table fails the build."""
+
+    def __init__(self, render) -> None:
+        self._render = render
+
+    def __getattr__(self, attr: str) -> str:
+        return self._render(attr)
+
+
+N = _Table(lambda attr: BY_ATTR[attr].sample)
+S = _Table(sel)
+
 # (value, colour) of every verdict, from the table in canaryd.judge.verdicts, least to most severe: the index
 # is the code the verdict panels map, so the most severe verdict has the highest code.
 VERDICTS: tuple[tuple[str, str], ...] = tuple((v.value, v.dashboard_color) for v in reversed(Verdict))
@@ -70,12 +97,12 @@ BUILTIN_DEFAULTS = {"__rate_interval": "1m", "__range": "1h", "__interval": "15s
 def verdict_code_expr(matchers: str = CANARY) -> str:
     """The current verdict of each backend × canary as a number (index into VERDICTS).
 
-    ``canaryd_canary_verdict`` has one series per pair, labelled with the last probe's verdict (value 1),
+    The verdict family has one series per pair, labelled with the last probe's verdict (value 1),
     so the union of ``gauge × code`` over the verdicts is the code of the current one. Several canaryd
     instances probing the same backend: the worst verdict wins.
     """
     terms = " or ".join(
-        f'canaryd_canary_verdict{{{matchers}, verdict="{v}"}} * {i}' for i, (v, _) in enumerate(VERDICTS)
+        f'{N.verdict}{{{matchers}, verdict="{v}"}} * {i}' for i, (v, _) in enumerate(VERDICTS)
     )
     return f"max by (backend, canary) (sum by (job, instance, backend, canary) ({terms}))"
 
@@ -246,37 +273,38 @@ def variables() -> list:
 
     return [
         dash_b.DatasourceVariable("datasource").label("Data source").type("prometheus"),
-        qvar("job", "Job", "label_values(canaryd_build_info, job)", "Prometheus job(s) scraping canaryd."),
+        qvar("job", "Job", f"label_values({N.build_info}, job)", "Prometheus job(s) scraping canaryd."),
         qvar(
             "instance",
             "Instance",
-            'label_values(canaryd_build_info{job=~"$job"}, instance)',
+            f'label_values({N.build_info}{{job=~"$job"}}, instance)',
             "canaryd instance(s).",
         ),
         qvar(
             "backend",
             "Backend",
-            'label_values(canaryd_canary_verdict{job=~"$job", instance=~"$instance"}, backend)',
+            f"label_values({N.verdict}{{{JOB}}}, backend)",
             "Serving backends (from canaryd's config).",
         ),
         qvar(
             "canary",
             "Canary",
-            "label_values(canaryd_canary_verdict"
-            '{job=~"$job", instance=~"$instance", backend=~"$backend"}, canary)',
+            f'label_values({N.verdict}{{job=~"$job", instance=~"$instance", backend=~"$backend"}}, canary)',
             "Canary prompts.",
         ),
     ]
 
 
-def build_panels(ids: Ids) -> list[tuple[str, list]]:
-    """Rows of panels; the widths of each visual line add up to 24 (the SDK lays them out left to right)."""
-    drift = "|".join(DRIFT_VERDICTS)
-    fleet = [
+def fleet_row(ids: Ids) -> list:
+    """The fleet at a glance: reachable backends, drifting canaries, regressions, probe success, stack
+    changes, the oldest probe."""
+    drifting = sel("verdict", f'verdict=~"{"|".join(DRIFT_VERDICTS)}"')
+    regressions = sel("verdict", 'verdict="regression"')
+    return [
         stat_panel(
             ids,
             "Backends reachable",
-            "Backends whose last stack snapshot reached them (canaryd_backend_reachable), out of all the "
+            f"Backends whose last stack snapshot reached them ({N.reachable}), out of all the "
             "backends canaryd probes.",
             "short",
             4,
@@ -284,13 +312,13 @@ def build_panels(ids: Ids) -> list[tuple[str, list]]:
             [
                 query(
                     "A",
-                    f"sum(max by (backend) (canaryd_backend_reachable{{{BACKEND}}}))",
+                    f"sum(max by (backend) ({S.reachable}))",
                     "reachable",
                     instant=True,
                 ),
                 query(
                     "B",
-                    f"count(max by (backend) (canaryd_backend_reachable{{{BACKEND}}}))",
+                    f"count(max by (backend) ({S.reachable}))",
                     "configured",
                     instant=True,
                 ),
@@ -307,8 +335,7 @@ def build_panels(ids: Ids) -> list[tuple[str, list]]:
             [
                 query(
                     "A",
-                    f'sum(max by (backend, canary) (canaryd_canary_verdict{{{CANARY}, verdict=~"{drift}"}}))'
-                    " or vector(0)",
+                    f"sum(max by (backend, canary) ({drifting})) or vector(0)",
                     "drifting",
                     instant=True,
                 )
@@ -326,8 +353,7 @@ def build_panels(ids: Ids) -> list[tuple[str, list]]:
             [
                 query(
                     "A",
-                    f"sum(max by (backend, canary) (canaryd_canary_verdict{{{CANARY}, "
-                    f'verdict="regression"}})) or vector(0)',
+                    f"sum(max by (backend, canary) ({regressions})) or vector(0)",
                     "regressions",
                     instant=True,
                 )
@@ -338,14 +364,14 @@ def build_panels(ids: Ids) -> list[tuple[str, list]]:
             ids,
             "Probe success ratio",
             "Share of the time range in which each canary's last probe had a usable answer "
-            "(canaryd_canary_probe_success averaged over the range, then over canaries).",
+            f"({N.success} averaged over the range, then over canaries).",
             "percentunit",
             4,
             4,
             [
                 query(
                     "A",
-                    f"avg(avg_over_time(canaryd_canary_probe_success{{{CANARY}}}[{RANGE}]))",
+                    f"avg(avg_over_time({S.success}[{RANGE}]))",
                     "success",
                     instant=True,
                 )
@@ -363,7 +389,7 @@ def build_panels(ids: Ids) -> list[tuple[str, list]]:
             [
                 query(
                     "A",
-                    f"sum(increase(canaryd_backend_stack_changes_total{{{BACKEND}}}[{RANGE}]))",
+                    f"sum(increase({S.stack_changes}[{RANGE}]))",
                     "changes",
                     instant=True,
                 )
@@ -381,7 +407,7 @@ def build_panels(ids: Ids) -> list[tuple[str, list]]:
             [
                 query(
                     "A",
-                    f"max(time() - canaryd_canary_last_probe_timestamp_seconds{{{CANARY}}})",
+                    f"max(time() - {S.last_probe})",
                     "age",
                     instant=True,
                 )
@@ -389,12 +415,16 @@ def build_panels(ids: Ids) -> list[tuple[str, list]]:
             [(None, "green"), (3600, "orange")],
         ),
     ]
+
+
+def verdicts_row(ids: Ids) -> list:
+    """The current verdict of every backend × canary, its history, and the count per verdict."""
     code = verdict_code_expr()
-    verdicts = [
+    return [
         table_panel(
             ids,
             "Verdict matrix",
-            "Current verdict per canary (rows) and backend (columns), from canaryd_canary_verdict == 1; "
+            f"Current verdict per canary (rows) and backend (columns), from {N.verdict} == 1; "
             "most severe first: " + "; ".join(f"{v.value}: {v.meaning}" for v in Verdict) + ".",
             8,
             10,
@@ -425,23 +455,27 @@ def build_panels(ids: Ids) -> list[tuple[str, list]]:
         series_panel(
             ids,
             "Verdicts now",
-            "Backend × canary pairs by their current verdict, over time (canaryd_canary_verdict counted "
+            f"Backend × canary pairs by their current verdict, over time ({N.verdict} counted "
             "by verdict). Every verdict ever given is in the database: canaryd history.",
             "short",
             24,
             8,
-            [query("A", f"count by (verdict) (canaryd_canary_verdict{{{CANARY}}})", "{{verdict}}")],
+            [query("A", f"count by (verdict) ({S.verdict})", "{{verdict}}")],
             bars=True,
             stacked=True,
         ),
     ]
-    drift_panels = [
+
+
+def drift_row(ids: Ids) -> list:
+    """How far the logprobs moved from the baseline."""
+    return [
         series_panel(
             ids,
             "Max |Δ logprob| vs baseline",
             "Largest absolute logprob difference (natural log, nats) against the baseline over the "
             "common token prefix, chosen tokens and shared top-k alternatives "
-            "(canaryd_canary_logprob_delta_max). 0 = bit-identical logprobs. Where the answers first "
+            f"({N.delta}). 0 = bit-identical logprobs. Where the answers first "
             "diverge is in the database: canaryd history.",
             "suffix: nats",
             24,
@@ -449,18 +483,79 @@ def build_panels(ids: Ids) -> list[tuple[str, list]]:
             [
                 query(
                     "A",
-                    f"max by (backend, canary) (canaryd_canary_logprob_delta_max{{{CANARY}}})",
+                    f"max by (backend, canary) ({S.delta})",
                     "{{backend}} · {{canary}}",
                 )
             ],
         ),
     ]
-    probes = [
+
+
+def evidence_row(ids: Ids) -> list:
+    """What the calibrated detector, the text basis and the reference say per backend."""
+    return [
+        series_panel(
+            ids,
+            "Drift evidence (e-CUSUM)",
+            "The sequential evidence that a backend changed, over its calibrated canaries "
+            f"({N.e_cusum}): about 1 or below while honest; the alarm is raised when it "
+            "reaches [compare] arl. Only after `canaryd baseline calibrate`.",
+            "short",
+            8,
+            8,
+            [query("A", f"max by (backend) ({S.e_cusum})", "{{backend}}")],
+        ),
+        timeline_panel(
+            ids,
+            "Drift alarm",
+            f"Whether the calibrated evidence says the backend changed ({N.alarm}): set by "
+            "min_out canaries beyond their noise in one cycle, an exact-regime change, or the e-CUSUM; "
+            "cleared by recalibrating or accepting a baseline.",
+            8,
+            8,
+            [query("A", f"max by (backend) ({S.alarm})", "{{backend}}")],
+            bool_mappings("alarm", "quiet", false_color="green", true_color="red"),
+        ),
+        series_panel(
+            ids,
+            "Canaries judged on text",
+            "Canaries whose last answer was judged on text alone, without logprobs "
+            f"({N.text_basis}): their verdicts rest on text, usage and stack. A rise "
+            "on a backend that had logprobs means it stopped returning them.",
+            "short",
+            8,
+            8,
+            [query("A", f"max by (backend) ({S.text_basis})", "{{backend}}")],
+        ),
+        series_panel(
+            ids,
+            "Reference divergence (nats)",
+            "For a backend with a reference (the weights it claims, re-scored there by teacher forcing): the "
+            "largest gap the reference puts between its answer and the reference's own where they part "
+            f"({N.reference_divergence}). 0 while it serves the same weights; a 4- or "
+            "8-bit build or another checkpoint lifts it (verdict reference-mismatch).",
+            "short",
+            24,
+            6,
+            [
+                query(
+                    "A",
+                    f"max by (backend) ({S.reference_divergence})",
+                    "{{backend}}",
+                )
+            ],
+        ),
+    ]
+
+
+def probes_row(ids: Ids) -> list:
+    """Probe latency, counts, failures and staleness."""
+    return [
         series_panel(
             ids,
             "Probe latency",
             "p50 / p95 / p99 request latency of successful probes per backend, from the "
-            "canaryd_backend_probe_duration_seconds histogram.",
+            f"{N.duration} histogram.",
             "s",
             8,
             8,
@@ -468,7 +563,7 @@ def build_panels(ids: Ids) -> list[tuple[str, list]]:
                 query(
                     ref,
                     f"histogram_quantile({q}, sum by (le, backend) "
-                    f"(rate(canaryd_backend_probe_duration_seconds_bucket{{{BACKEND}}}[{RATE}])))",
+                    f"(rate({sel('duration', suffix='_bucket')}[{RATE}])))",
                     f"p{round(q * 100)} {{{{backend}}}}",
                 )
                 for ref, q in (("A", 0.5), ("B", 0.95), ("C", 0.99))
@@ -477,8 +572,8 @@ def build_panels(ids: Ids) -> list[tuple[str, list]]:
         series_panel(
             ids,
             "Probes, retries and failures by reason",
-            "Probes sent (canaryd_backend_probes_total), failed probes by reason "
-            "(canaryd_backend_probe_failures_total) and retries (canaryd_backend_probe_retries_total) per "
+            f"Probes sent ({N.probes}), failed probes by reason "
+            f"({N.failures}) and retries ({N.retries}) per "
             'scrape interval. A backend without failures shows a zero line with reason "none".',
             "short",
             8,
@@ -486,23 +581,23 @@ def build_panels(ids: Ids) -> list[tuple[str, list]]:
             [
                 query(
                     "A",
-                    f"sum by (backend) (increase(canaryd_backend_probes_total{{{BACKEND}}}[{RATE}]))",
+                    f"sum by (backend) (increase({S.probes}[{RATE}]))",
                     "{{backend}} probes",
                 ),
                 query(
                     "B",
                     f"sum by (backend, reason) "
-                    f"(increase(canaryd_backend_probe_failures_total{{{BACKEND}}}[{RATE}])) "
+                    f"(increase({S.failures}[{RATE}])) "
                     f"or on (backend) label_replace(sum by (backend) "
-                    f"(0 * increase(canaryd_backend_probes_total{{{BACKEND}}}[{RATE}])), "
+                    f"(0 * increase({S.probes}[{RATE}])), "
                     f'"reason", "none", "", "")',
                     "{{backend}} failed: {{reason}}",
                 ),
                 query(
                     "C",
-                    f"sum by (backend) (increase(canaryd_backend_probe_retries_total{{{BACKEND}}}[{RATE}])) "
+                    f"sum by (backend) (increase({S.retries}[{RATE}])) "
                     f"or on (backend) sum by (backend) "
-                    f"(0 * increase(canaryd_backend_probes_total{{{BACKEND}}}[{RATE}]))",
+                    f"(0 * increase({S.probes}[{RATE}]))",
                     "{{backend}} retries",
                 ),
             ],
@@ -511,8 +606,8 @@ def build_panels(ids: Ids) -> list[tuple[str, list]]:
         series_panel(
             ids,
             "Time since last probe",
-            "Age of each canary's last probe (canaryd_canary_last_probe_timestamp_seconds) next to its "
-            "backend's longest configured interval (canaryd_backend_probe_interval_seconds). Age well "
+            f"Age of each canary's last probe ({N.last_probe}) next to its "
+            f"backend's longest configured interval ({N.interval}). Age well "
             "above the interval = stale.",
             "s",
             8,
@@ -520,23 +615,26 @@ def build_panels(ids: Ids) -> list[tuple[str, list]]:
             [
                 query(
                     "A",
-                    f"max by (backend, canary) "
-                    f"(time() - canaryd_canary_last_probe_timestamp_seconds{{{CANARY}}})",
+                    f"max by (backend, canary) (time() - {S.last_probe})",
                     "{{backend}} · {{canary}}",
                 ),
                 query(
                     "B",
-                    f"max by (backend) (canaryd_backend_probe_interval_seconds{{{BACKEND}}})",
+                    f"max by (backend) ({S.interval})",
                     "{{backend}} interval",
                 ),
             ],
         ),
     ]
-    stack = [
+
+
+def stack_row(ids: Ids) -> list:
+    """The serving stack each backend showed, and its changes."""
+    return [
         table_panel(
             ids,
             "Current serving stack",
-            "What each backend showed last (canaryd_backend_stack_info): kind, engine version, "
+            f"What each backend showed last ({N.stack_info}): kind, engine version, "
             "system_fingerprint, model and canaryd's hash of the whole stack snapshot.",
             16,
             7,
@@ -544,7 +642,7 @@ def build_panels(ids: Ids) -> list[tuple[str, list]]:
                 query(
                     "A",
                     "max by (backend, kind, engine_version, fingerprint, model, stack_hash) "
-                    f"(canaryd_backend_stack_info{{{BACKEND}}})",
+                    f"({S.stack_info})",
                     instant=True,
                     fmt="table",
                 )
@@ -556,8 +654,8 @@ def build_panels(ids: Ids) -> list[tuple[str, list]]:
             "Fingerprints and serving configurations",
             "Distinct system_fingerprint values and serving configurations (fingerprint, provider or "
             "deployment) a backend answered from within canaryd's fingerprint window "
-            "(canaryd_backend_fingerprints, canaryd_backend_configurations), and configurations new to a "
-            "canary per interval (canaryd_backend_new_configurations_total). More than 1 configuration = "
+            f"({N.fingerprints}, {N.configurations}), and configurations new to a "
+            f"canary per interval ({N.new_configurations}). More than 1 configuration = "
             "a fleet or router serves the backend: each has its own baselines.",
             "short",
             8,
@@ -565,18 +663,17 @@ def build_panels(ids: Ids) -> list[tuple[str, list]]:
             [
                 query(
                     "A",
-                    f"max by (backend) (canaryd_backend_fingerprints{{{BACKEND}}})",
+                    f"max by (backend) ({S.fingerprints})",
                     "{{backend}} fingerprints",
                 ),
                 query(
                     "B",
-                    f"max by (backend) (canaryd_backend_configurations{{{BACKEND}}})",
+                    f"max by (backend) ({S.configurations})",
                     "{{backend}} configurations",
                 ),
                 query(
                     "C",
-                    "sum by (backend) "
-                    f"(increase(canaryd_backend_new_configurations_total{{{BACKEND}}}[{RATE}]))",
+                    f"sum by (backend) (increase({S.new_configurations}[{RATE}]))",
                     "{{backend}} new",
                 ),
             ],
@@ -585,14 +682,13 @@ def build_panels(ids: Ids) -> list[tuple[str, list]]:
             ids,
             "Stack history",
             "Which serving stack each backend ran over time: one row per backend, engine version, "
-            "fingerprint and stack hash (canaryd_backend_stack_info).",
+            f"fingerprint and stack hash ({N.stack_info}).",
             12,
             8,
             [
                 query(
                     "A",
-                    "max by (backend, engine_version, fingerprint, stack_hash) "
-                    f"(canaryd_backend_stack_info{{{BACKEND}}})",
+                    f"max by (backend, engine_version, fingerprint, stack_hash) ({S.stack_info})",
                     "{{backend}} {{engine_version}} {{fingerprint}} {{stack_hash}}",
                 )
             ],
@@ -605,14 +701,14 @@ def build_panels(ids: Ids) -> list[tuple[str, list]]:
         series_panel(
             ids,
             "Stack changes per interval",
-            "Stack changes detected per scrape interval (canaryd_backend_stack_changes_total).",
+            f"Stack changes detected per scrape interval ({N.stack_changes}).",
             "short",
             6,
             8,
             [
                 query(
                     "A",
-                    f"sum by (backend) (increase(canaryd_backend_stack_changes_total{{{BACKEND}}}[{RATE}]))",
+                    f"sum by (backend) (increase({S.stack_changes}[{RATE}]))",
                     "{{backend}}",
                 )
             ],
@@ -621,19 +717,75 @@ def build_panels(ids: Ids) -> list[tuple[str, list]]:
         timeline_panel(
             ids,
             "Backend reachable",
-            "Whether the last stack snapshot reached the backend (canaryd_backend_reachable).",
+            f"Whether the last stack snapshot reached the backend ({N.reachable}).",
             6,
             8,
-            [query("A", f"max by (backend) (canaryd_backend_reachable{{{BACKEND}}})", "{{backend}}")],
+            [query("A", f"max by (backend) ({S.reachable})", "{{backend}}")],
             bool_mappings("up", "down"),
         ),
     ]
-    process = [
+
+
+def cost_row(ids: Ids) -> list:
+    """Tokens spent, canaries refused as configured, passes over budget."""
+    return [
+        series_panel(
+            ids,
+            "Tokens spent",
+            f"Tokens the backends' answers reported ({N.tokens}: prompt + completion, "
+            "reasoning included), per scrape interval; a rise per pass is a provider raising reasoning "
+            "effort or a longer hidden prompt.",
+            "short",
+            12,
+            7,
+            [
+                query(
+                    "A",
+                    f"sum by (backend) (increase({S.tokens}[{RATE}]))",
+                    "{{backend}}",
+                )
+            ],
+            bars=True,
+        ),
+        series_panel(
+            ids,
+            "Refused as configured",
+            "Canaries each backend refused for a parameter or value it does not take "
+            f"({N.config_errors}): held back until the config is reloaded; a configuration "
+            "problem, not an outage (canaryd check names the fix).",
+            "short",
+            6,
+            7,
+            [query("A", f"max by (backend) ({S.config_errors})", "{{backend}}")],
+        ),
+        series_panel(
+            ids,
+            "Passes over budget",
+            "Passes skipped because they would exceed the backend's daily token or request budget "
+            f"({N.budget_skips}), per scrape interval.",
+            "short",
+            6,
+            7,
+            [
+                query(
+                    "A",
+                    f"sum by (backend) (increase({S.budget_skips}[{RATE}]))",
+                    "{{backend}}",
+                )
+            ],
+            bars=True,
+        ),
+    ]
+
+
+def canaryd_row(ids: Ids) -> list:
+    """canaryd itself: schedules, reloads, build, leases."""
+    return [
         series_panel(
             ids,
             "Schedule runs and missed runs",
-            "Scheduled probe passes started (canaryd_schedule_runs_total) and skipped because the "
-            "previous pass still ran or missed its grace time (canaryd_schedule_missed_total), per "
+            f"Scheduled probe passes started ({N.schedule_runs}) and skipped because the "
+            f"previous pass still ran or missed its grace time ({N.schedule_missed}), per "
             "scrape interval.",
             "short",
             10,
@@ -641,13 +793,13 @@ def build_panels(ids: Ids) -> list[tuple[str, list]]:
             [
                 query(
                     "A",
-                    f"sum by (schedule) (increase(canaryd_schedule_runs_total{{{JOB}}}[{RATE}]))",
+                    f"sum by (schedule) (increase({S.schedule_runs}[{RATE}]))",
                     "{{schedule}} runs",
                 ),
                 query(
                     "B",
-                    f"sum by (schedule) (increase(canaryd_schedule_missed_total{{{JOB}}}[{RATE}])) "
-                    f"or sum by (schedule) (0 * increase(canaryd_schedule_runs_total{{{JOB}}}[{RATE}]))",
+                    f"sum by (schedule) (increase({S.schedule_missed}[{RATE}])) "
+                    f"or sum by (schedule) (0 * increase({S.schedule_runs}[{RATE}]))",
                     "{{schedule}} missed",
                 ),
             ],
@@ -656,15 +808,14 @@ def build_panels(ids: Ids) -> list[tuple[str, list]]:
         stat_panel(
             ids,
             "Since last scheduled pass",
-            "Time since the least recently finished schedule's last pass "
-            "(canaryd_schedule_last_run_timestamp_seconds).",
+            f"Time since the least recently finished schedule's last pass ({N.schedule_last}).",
             "s",
             4,
             7,
             [
                 query(
                     "A",
-                    f"max(time() - max by (schedule) (canaryd_schedule_last_run_timestamp_seconds{{{JOB}}}))",
+                    f"max(time() - max by (schedule) ({S.schedule_last}))",
                     "age",
                     instant=True,
                 )
@@ -682,13 +833,13 @@ def build_panels(ids: Ids) -> list[tuple[str, list]]:
             [
                 query(
                     "A",
-                    f"sum(increase(canaryd_config_reloads_total{{{JOB}}}[{RANGE}]))",
+                    f"sum(increase({S.reloads}[{RANGE}]))",
                     "reloads",
                     instant=True,
                 ),
                 query(
                     "B",
-                    f"sum(increase(canaryd_config_reload_failures_total{{{JOB}}}[{RANGE}]))",
+                    f"sum(increase({S.reload_failures}[{RANGE}]))",
                     "rejected",
                     instant=True,
                 ),
@@ -698,13 +849,13 @@ def build_panels(ids: Ids) -> list[tuple[str, list]]:
         table_panel(
             ids,
             "Build info",
-            "canaryd and Python versions per instance (canaryd_build_info).",
+            f"canaryd and Python versions per instance ({N.build_info}).",
             6,
             7,
             [
                 query(
                     "A",
-                    f"max by (instance, version, python_version) (canaryd_build_info{{{JOB}}})",
+                    f"max by (instance, version, python_version) ({S.build_info})",
                     instant=True,
                     fmt="table",
                 )
@@ -714,7 +865,7 @@ def build_panels(ids: Ids) -> list[tuple[str, list]]:
         timeline_panel(
             ids,
             "Lease holders",
-            "Which canaryd instance probes each backend (canaryd_backend_lease_held): in a fleet on one "
+            f"Which canaryd instance probes each backend ({N.lease_held}): in a fleet on one "
             "PostgreSQL database one daemon per backend, the others standing by to take over when it stops "
             "or dies; on SQLite a daemon probes all its backends.",
             24,
@@ -722,128 +873,32 @@ def build_panels(ids: Ids) -> list[tuple[str, list]]:
             [
                 query(
                     "A",
-                    f"max by (backend, instance) (canaryd_backend_lease_held{{{BACKEND}}})",
+                    f"max by (backend, instance) ({S.lease_held})",
                     "{{backend}} on {{instance}}",
                 )
             ],
             bool_mappings("probing", "standby", false_color="blue"),
         ),
     ]
-    evidence = [
-        series_panel(
-            ids,
-            "Drift evidence (e-CUSUM)",
-            "The sequential evidence that a backend changed, over its calibrated canaries "
-            "(canaryd_backend_drift_evidence): about 1 or below while honest; the alarm is raised when it "
-            "reaches [compare] arl. Only after `canaryd baseline calibrate`.",
-            "short",
-            8,
-            8,
-            [query("A", f"max by (backend) (canaryd_backend_drift_evidence{{{BACKEND}}})", "{{backend}}")],
-        ),
-        timeline_panel(
-            ids,
-            "Drift alarm",
-            "Whether the calibrated evidence says the backend changed (canaryd_backend_drift_alarm): set by "
-            "min_out canaries beyond their noise in one cycle, an exact-regime change, or the e-CUSUM; "
-            "cleared by recalibrating or accepting a baseline.",
-            8,
-            8,
-            [query("A", f"max by (backend) (canaryd_backend_drift_alarm{{{BACKEND}}})", "{{backend}}")],
-            bool_mappings("alarm", "quiet", false_color="green", true_color="red"),
-        ),
-        series_panel(
-            ids,
-            "Canaries judged on text",
-            "Canaries whose last answer was judged on text alone, without logprobs "
-            "(canaryd_backend_text_basis_canaries): their verdicts rest on text, usage and stack. A rise "
-            "on a backend that had logprobs means it stopped returning them.",
-            "short",
-            8,
-            8,
-            [
-                query(
-                    "A", f"max by (backend) (canaryd_backend_text_basis_canaries{{{BACKEND}}})", "{{backend}}"
-                )
-            ],
-        ),
-        series_panel(
-            ids,
-            "Reference divergence (nats)",
-            "For a backend with a reference (the weights it claims, re-scored there by teacher forcing): the "
-            "largest gap the reference puts between its answer and the reference's own where they part "
-            "(canaryd_backend_reference_divergence_nats). 0 while it serves the same weights; a 4- or "
-            "8-bit build or another checkpoint lifts it (verdict reference-mismatch).",
-            "short",
-            24,
-            6,
-            [
-                query(
-                    "A",
-                    f"max by (backend) (canaryd_backend_reference_divergence_nats{{{BACKEND}}})",
-                    "{{backend}}",
-                )
-            ],
-        ),
-    ]
-    cost = [
-        series_panel(
-            ids,
-            "Tokens spent",
-            "Tokens the backends' answers reported (canaryd_backend_tokens_total: prompt + completion, "
-            "reasoning included), per scrape interval; a rise per pass is a provider raising reasoning "
-            "effort or a longer hidden prompt.",
-            "short",
-            12,
-            7,
-            [
-                query(
-                    "A",
-                    f"sum by (backend) (increase(canaryd_backend_tokens_total{{{BACKEND}}}[{RATE}]))",
-                    "{{backend}}",
-                )
-            ],
-            bars=True,
-        ),
-        series_panel(
-            ids,
-            "Refused as configured",
-            "Canaries each backend refused for a parameter or value it does not take "
-            "(canaryd_backend_config_errors): held back until the config is reloaded; a configuration "
-            "problem, not an outage (canaryd check names the fix).",
-            "short",
-            6,
-            7,
-            [query("A", f"max by (backend) (canaryd_backend_config_errors{{{BACKEND}}})", "{{backend}}")],
-        ),
-        series_panel(
-            ids,
-            "Passes over budget",
-            "Passes skipped because they would exceed the backend's daily token or request budget "
-            "(canaryd_backend_budget_skips_total), per scrape interval.",
-            "short",
-            6,
-            7,
-            [
-                query(
-                    "A",
-                    f"sum by (backend) (increase(canaryd_backend_budget_skips_total{{{BACKEND}}}[{RATE}]))",
-                    "{{backend}}",
-                )
-            ],
-            bars=True,
-        ),
-    ]
-    return [
-        ("Fleet overview", fleet),
-        ("Verdicts", verdicts),
-        ("Drift", drift_panels),
-        ("Calibrated evidence", evidence),
-        ("Probes", probes),
-        ("Serving stack", stack),
-        ("Cost and configuration", cost),
-        ("canaryd", process),
-    ]
+
+
+# The rows top to bottom: (title, its panels). The widths of each visual line of a row add up to 24 (the
+# SDK lays them out left to right).
+ROWS = (
+    ("Fleet overview", fleet_row),
+    ("Verdicts", verdicts_row),
+    ("Drift", drift_row),
+    ("Calibrated evidence", evidence_row),
+    ("Probes", probes_row),
+    ("Serving stack", stack_row),
+    ("Cost and configuration", cost_row),
+    ("canaryd", canaryd_row),
+)
+
+
+def build_panels(ids: Ids) -> list[tuple[str, list]]:
+    """Rows of panels, in `ROWS` order."""
+    return [(title, row(ids)) for title, row in ROWS]
 
 
 def stack_change_annotation() -> dash_b.AnnotationQuery:
@@ -853,7 +908,7 @@ def stack_change_annotation() -> dash_b.AnnotationQuery:
         .datasource(DS)
         .enable(True)
         .icon_color("purple")
-        .expr(f"sum by (backend) (increase(canaryd_backend_stack_changes_total{{{BACKEND}}}[{RATE}])) > 0")
+        .expr(f"sum by (backend) (increase({S.stack_changes}[{RATE}])) > 0")
     )
 
 

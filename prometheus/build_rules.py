@@ -5,7 +5,11 @@ The rules select canaryd's series by a selector, as monitoring mixins do, so a P
 canaryd under another job name (or several canaryd deployments under different jobs) gets rules for its
 own. The template writes it ``$selector``; ``$fallback_runbook`` is where the alerts about an unreachable
 canaryd link (the others link to ``/runbook`` on the canaryd that raised them, the runbook of the version
-it runs). Everything else in the template (Go templates, ``$labels``, ``$value``) is left as it is.
+it runs). A metric is written by the ``attr`` of its row in canaryd's metric table
+(``canaryd/daemon/metric_table.py``), never by name: ``$probes`` is ``canaryd_backend_probes_total``,
+``$verdict`` is ``canaryd_canary_verdict`` (``${duration}_bucket`` for a histogram's buckets). Go
+templates' own variables (``$labels``, ``$value``, ``$i``, ``$s``) are left as they are; any other ``$name``
+is an error, so a metric the table does not declare cannot reach the rules.
 
     python prometheus/build_rules.py                      # rewrite prometheus/canaryd-alerts.yml
     python prometheus/build_rules.py --check              # exit 1 if the committed file is stale
@@ -19,19 +23,29 @@ import sys
 from pathlib import Path
 from string import Template
 
+from canaryd.daemon.metric_table import BY_ATTR
+
 HERE = Path(__file__).resolve().parent
 TEMPLATE = HERE / "canaryd-alerts.template.yml"
 OUTPUT = HERE / "canaryd-alerts.yml"
 SELECTOR = 'job="canaryd"'
 FALLBACK_RUNBOOK = "https://github.com/canaryd/canaryd/blob/main/docs/runbook.md"
+GO_VARIABLES = {"labels", "value", "i", "s"}  # the template's Go templates bind these
 
 
 def render(selector: str = SELECTOR, fallback_runbook: str = FALLBACK_RUNBOOK) -> str:
     if not selector.strip() or "%" in selector or "`" in selector:
         raise ValueError(f'--selector {selector!r}: label matchers such as job="canaryd", without % or `')
-    return Template(TEMPLATE.read_text()).safe_substitute(
-        selector=selector, fallback_runbook=fallback_runbook
+    template = Template(TEMPLATE.read_text())
+    unknown = (
+        set(template.get_identifiers()) - GO_VARIABLES - BY_ATTR.keys() - {"selector", "fallback_runbook"}
     )
+    if unknown:
+        raise ValueError(
+            f"{TEMPLATE.name}: ${', $'.join(sorted(unknown))}: no such metric in the metric table"
+        )
+    metrics = {m.attr: m.sample for m in BY_ATTR.values()}
+    return template.safe_substitute(metrics, selector=selector, fallback_runbook=fallback_runbook)
 
 
 def main(argv: list[str] | None = None) -> int:

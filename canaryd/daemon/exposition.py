@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from prometheus_client.utils import floatToGoString
 
+from canaryd.daemon.metric_table import PAIR_FAMILIES
 from canaryd.observation import storable
 
 MARK = "…"  # where a label value too long for its series was cut
@@ -20,23 +21,6 @@ HASH_CHARS = 10  # hex digits of the whole value's hash kept after the mark: two
 EOF = b"# EOF\n"  # OpenMetrics' last line
 GZIP_LEVEL = 6  # zlib's default: a few times faster than gzip's 9, barely larger
 GZIP_HEADER = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff"  # deflate, no name, no mtime, OS unknown
-# The per canary × backend families: (name, help, Pair attribute). canaryd_canary_verdict carries the
-# current verdict as a label, one series per pair (value 1), so alerts and panels select it by name.
-PAIR_FAMILIES = (
-    ("canaryd_canary_verdict", "The verdict of the last probe (one series per canary, value 1).", "verdict"),
-    ("canaryd_canary_probe_success", "1 if the last probe got a usable answer, else 0.", "success"),
-    (
-        "canaryd_canary_logprob_delta_max",
-        "Largest |delta logprob| against the baseline over the common token prefix "
-        "(chosen tokens and shared top-k alternatives) in the last usable answer.",
-        "delta",
-    ),
-    (
-        "canaryd_canary_last_probe_timestamp_seconds",
-        "Unix time of the last probe of this canary.",
-        "last_probe",
-    ),
-)
 
 
 def digest(value: str) -> str:
@@ -115,8 +99,9 @@ def render_pairs(pairs: Iterable[Pair]) -> bytes:
     """The pair families by hand: prometheus_client's generic writer costs ~20 µs a series, this ~1."""
     out: list[str] = []
     g = floatToGoString
-    for name, help_, attr in PAIR_FAMILIES:
-        out.append(f"# HELP {name} {help_}\n# TYPE {name} gauge\n")
+    for f in PAIR_FAMILIES:
+        name, attr = f.name, f.attr
+        out.append(f"# HELP {name} {f.help}\n# TYPE {name} {f.type}\n")
         if attr == "verdict":
             out += [f'{name}{{{p.labels},verdict="{p.verdict}"}} 1.0\n' for p in pairs if p.verdict]
         else:

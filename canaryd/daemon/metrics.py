@@ -7,6 +7,9 @@ everything else per backend (latency as one histogram, probe counts, the stack).
 every verdict, every p-value) is in the database, not in series: at 10,000 canary × backend pairs this is
 about 40,000 series instead of 300,000 (``bench/metrics_bench.py``).
 
+Every family is declared once, in `canaryd.daemon.metric_table`: this module creates them from it and
+removes a backend's series by it.
+
 The exposition is rendered once per probe pass (`Metrics.publish`, which the daemon calls after recording
 a pass) and the metrics server returns those cached bytes (`Metrics.exposition`); only canaryd's own few
 series (process, build, schedules, reloads) are rendered on each scrape. ``registry`` still holds every
@@ -45,7 +48,6 @@ from canaryd.backends import engine_version
 from canaryd.daemon.exposition import (
     EMPTY,
     EOF,
-    PAIR_FAMILIES,
     Cache,
     Pair,
     Tail,
@@ -54,13 +56,16 @@ from canaryd.daemon.exposition import (
     escape,
     render_pairs,
 )
+from canaryd.daemon.metric_table import METRICS, PAIR_FAMILIES, LeaseLoss, Scope
 from canaryd.judge.compare import Verdict
 from canaryd.judge.stats import DetectorState
 from canaryd.observation import ErrorKind
 from canaryd.probe.run import BackendRun
 from canaryd.stack import configuration_of
 
-PROBE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_TYPES = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
+# The pair families go with their pairs (``_pairs``); these are removed series by series.
+_PER_BACKEND = tuple(m for m in METRICS if m.per_backend and m.scope is not Scope.PAIR)
 
 
 class _PairCollector:
@@ -71,14 +76,13 @@ class _PairCollector:
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         pairs = self.metrics._snapshot()
-        for name, help_, attr in PAIR_FAMILIES:
-            labels = ("backend", "canary", "verdict") if attr == "verdict" else ("backend", "canary")
-            fam = GaugeMetricFamily(name, help_, labels=labels)
+        for f in PAIR_FAMILIES:
+            fam = GaugeMetricFamily(f.name, f.help, labels=f.labels)
             for p in pairs:
-                v = getattr(p, attr)
+                v = getattr(p, f.attr)
                 if v is None:
                     continue
-                if attr == "verdict":
+                if f.attr == "verdict":
                     fam.add_metric((p.backend, p.canary, v), 1)
                 else:
                     fam.add_metric((p.backend, p.canary), v)
@@ -86,7 +90,8 @@ class _PairCollector:
 
 
 class Metrics:
-    """Every series canaryd exports, on registries of its own (no global state)."""
+    """Every series canaryd exports, on registries of its own (no global state). Each family of
+    `metric_table.METRICS` but the pair families (held in ``_pairs``) is the attribute its row names."""
 
     def __init__(
         self,
@@ -108,185 +113,13 @@ class Metrics:
 
         self._add(live, ProcessCollector(registry=None))  # process_resident_memory_bytes & co
         self._add(live, PlatformCollector(registry=None))
-        s, b = ("schedule",), ("backend",)
-        self.schedule_runs = self._new(
-            live, Counter, "canaryd_schedule_runs", "Scheduled probe passes started.", s
-        )
-        self.schedule_missed = self._new(
-            live,
-            Counter,
-            "canaryd_schedule_missed",
-            "Scheduled passes skipped: still running, or missed their grace time.",
-            s,
-        )
-        self.schedule_last = self._new(
-            live,
-            Gauge,
-            "canaryd_schedule_last_run_timestamp_seconds",
-            "Unix time the last pass of this schedule finished.",
-            s,
-        )
-        self.reloads = self._new(
-            live, Counter, "canaryd_config_reloads", "Config reloads attempted (SIGHUP)."
-        )
-        self.reload_failures = self._new(
-            live,
-            Counter,
-            "canaryd_config_reload_failures",
-            "Config reloads rejected; the previous config kept running.",
-        )
-        self.build_info = self._new(
-            live, Gauge, "canaryd_build_info", "canaryd's version.", ("version", "python_version")
-        )
+        for m in METRICS:  # in the table's order, which is the exposition's
+            if m.scope is not Scope.PAIR:
+                kwargs = {"buckets": m.buckets} if m.buckets else {}
+                metric = _TYPES[m.type](m.name, m.help, m.labels, registry=None, **kwargs)
+                setattr(self, m.attr, self._add(live if m.scope is Scope.LIVE else per_pass, metric))
         self.build_info.labels(__version__, sys.version.split()[0]).set(1)
-
-        self.duration = self._new(
-            per_pass,
-            Histogram,
-            "canaryd_backend_probe_duration_seconds",
-            "Request latency of the canary probes that got an answer, per backend.",
-            b,
-            buckets=PROBE_BUCKETS,
-        )
-        self.interval = self._new(
-            per_pass,
-            Gauge,
-            "canaryd_backend_probe_interval_seconds",
-            "Longest configured interval between probes of the backend's canaries (staleness alerts).",
-            b,
-        )
-        self.probes = self._new(per_pass, Counter, "canaryd_backend_probes", "Canary probes sent.", b)
-        self.retries = self._new(
-            per_pass, Counter, "canaryd_backend_probe_retries", "Extra attempts after transient failures.", b
-        )
-        self.failures = self._new(
-            per_pass,
-            Counter,
-            "canaryd_backend_probe_failures",
-            "Canary probes that failed, by reason.",
-            (*b, "reason"),
-        )
-        self.stack_info = self._new(
-            per_pass,
-            Gauge,
-            "canaryd_backend_stack_info",
-            "The serving stack a backend showed last.",
-            ("backend", "kind", "engine_version", "fingerprint", "model", "stack_hash"),
-        )
-        self.stack_changes = self._new(
-            per_pass,
-            Counter,
-            "canaryd_backend_stack_changes",
-            "Times a backend's stack snapshot differed from the previous probe's.",
-            b,
-        )
-        self.fingerprints = self._new(
-            per_pass,
-            Gauge,
-            "canaryd_backend_fingerprints",
-            "Distinct system_fingerprint values seen in the fingerprint window.",
-            b,
-        )
-        self.configurations = self._new(
-            per_pass,
-            Gauge,
-            "canaryd_backend_configurations",
-            "Distinct serving configurations (fingerprint, provider, deployment) the backend answered from "
-            "in the fingerprint window; 0 when its answers name none.",
-            b,
-        )
-        self.new_configurations = self._new(
-            per_pass,
-            Counter,
-            "canaryd_backend_new_configurations",
-            "Probes whose serving configuration was new to their canary (verdict new-configuration).",
-            b,
-        )
-        self.e_cusum = self._new(
-            per_pass,
-            Gauge,
-            "canaryd_backend_drift_evidence",
-            "e-CUSUM statistic over the calibrated canaries; reaching the arl raises the alarm.",
-            b,
-        )
-        self.alarm = self._new(
-            per_pass,
-            Gauge,
-            "canaryd_backend_drift_alarm",
-            "1 once the backend's calibrated evidence says it changed, until recalibrated or accepted.",
-            b,
-        )
-        self.reference_divergence = self._new(
-            per_pass,
-            Gauge,
-            "canaryd_backend_reference_divergence_nats",
-            "Largest gap (nats) its reference puts between the backend's answer and its own where they part, "
-            "over the last pass: 0 while both answer alike (only for a backend with a reference).",
-            b,
-        )
-        self.text_basis = self._new(
-            per_pass,
-            Gauge,
-            "canaryd_backend_text_basis_canaries",
-            "Canaries whose last answer was judged on text alone (no logprobs on it or its baseline).",
-            b,
-        )
-        self.reachable = self._new(
-            per_pass,
-            Gauge,
-            "canaryd_backend_reachable",
-            "1 if the last stack snapshot reached the backend, else 0.",
-            b,
-        )
-        self.lease_held = self._new(  # failover: set_lease
-            per_pass,
-            Gauge,
-            "canaryd_backend_lease_held",
-            "1 if this daemon holds the backend's probing lease, 0 if another daemon does.",
-            b,
-        )
-        self.config_errors = self._new(
-            per_pass,
-            Gauge,
-            "canaryd_backend_config_errors",
-            "Canaries the backend refused as configured (an unsupported parameter or value): not sent "
-            "again until the config is reloaded.",
-            b,
-        )
-        self.tokens = self._new(
-            per_pass,
-            Counter,
-            "canaryd_backend_tokens",
-            "Tokens the backend's answers reported (prompt + completion; reasoning counts in completion).",
-            b,
-        )
-        self.budget_skips = self._new(
-            per_pass,
-            Counter,
-            "canaryd_backend_budget_skips",
-            "Passes of the backend skipped because they would exceed its daily token or request budget.",
-            b,
-        )
         self.registry.register(_PairCollector(self))
-        self._per_backend = (
-            self.duration,
-            self.interval,
-            self.probes,
-            self.retries,
-            self.failures,
-            self.stack_info,
-            self.stack_changes,
-            self.fingerprints,
-            self.configurations,
-            self.new_configurations,
-            self.reachable,
-            self.e_cusum,
-            self.alarm,
-            self.lease_held,
-            self.config_errors,
-            self.tokens,
-            self.budget_skips,
-        )
         self._backends: set[str] = set()
         self._stack_labels: dict[str, tuple[str, ...]] = {}
         self._stack_hash: dict[str, str] = {}
@@ -295,13 +128,10 @@ class Metrics:
         self._lease: dict[str, bool] = {}
 
     def _add(self, registry: CollectorRegistry, collector):
+        """``collector`` on ``registry`` (live or per pass) and on ``self.registry`` (every series)."""
         registry.register(collector)
         self.registry.register(collector)
         return collector
-
-    def _new(self, registry: CollectorRegistry, cls, name: str, help_: str, labels=(), **kwargs):
-        """A metric on ``registry`` (live or per pass) and on ``self.registry`` (every series)."""
-        return self._add(registry, cls(name, help_, labels, registry=None, **kwargs))
 
     def _pair(self, backend: str, canary: str) -> Pair:
         p = self._pairs.get((backend, canary))
@@ -330,8 +160,8 @@ class Metrics:
             for key in set(self._pairs) - keep:
                 del self._pairs[key]
             for b in self._backends - set(longest):
-                for m in self._per_backend:
-                    m.remove_by_labels({"backend": b})
+                for m in _PER_BACKEND:
+                    getattr(self, m.attr).remove_by_labels({"backend": b})
                 for state in (
                     self._stack_labels,
                     self._stack_hash,
@@ -354,18 +184,19 @@ class Metrics:
 
     def set_lease(self, backend: str, held: bool) -> None:
         """Whether this daemon probes ``backend`` (its fleet lease; always on SQLite). One that does not
-        drops the backend's gauges (its pairs, stack, detector, reachability), so that neither a verdict it
-        no longer renews nor an ageing last-probe time stands for the backend: the holder exports them.
-        Counters and the interval stay. A change publishes at once."""
+        drops the backend's series the table marks `LeaseLoss.DROP` (its pairs, stack, detector,
+        reachability, …), so that neither a verdict it no longer renews nor an ageing last-probe time
+        stands for the backend: the holder exports them. Counters, the histogram, the interval and the
+        lease (now 0) stay. A change publishes at once."""
         with self._lock:
             changed = self._lease.get(backend) is not held
             self._lease[backend] = held
             if not held:
                 for key in [k for k in self._pairs if k[0] == backend]:
                     del self._pairs[key]
-                for m in self._per_backend:
-                    if isinstance(m, Gauge) and m is not self.interval and m is not self.lease_held:
-                        m.remove_by_labels({"backend": backend})
+                for m in _PER_BACKEND:
+                    if m.lease_loss is LeaseLoss.DROP:
+                        getattr(self, m.attr).remove_by_labels({"backend": backend})
                 for state in (self._stack_labels, self._stack_hash, self._fingerprints, self._configurations):
                     state.pop(backend, None)
             self.lease_held.labels(backend).set(1 if held else 0)

@@ -153,7 +153,8 @@ def _exported() -> dict[str, set[str]]:
     """Every series name canaryd exports (as Prometheus sees it), with its label names."""
     from prometheus_client.metrics import MetricWrapperBase
 
-    from canaryd.daemon.metrics import PAIR_FAMILIES, Metrics
+    from canaryd.daemon.metric_table import PAIR_FAMILIES
+    from canaryd.daemon.metrics import Metrics
 
     m = Metrics()
     suffixes = {
@@ -169,8 +170,8 @@ def _exported() -> dict[str, set[str]]:
         labels = set(metric._labelnames)  # the constructor's labelnames
         for suffix in suffixes[metric._type]:
             out[metric._name + suffix] = labels | ({"le"} if suffix == "_bucket" else set())
-    for name, _, attr in PAIR_FAMILIES:
-        out[name] = {"backend", "canary"} | ({"verdict"} if attr == "verdict" else set())
+    for f in PAIR_FAMILIES:
+        out[f.name] = set(f.labels)
     assert "canaryd_backend_probes_total" in out and "canaryd_canary_verdict" in out
     return out
 
@@ -298,3 +299,19 @@ def test_a_vanished_target_is_covered() -> None:
     """``up == 0`` needs a target; an absent()-style alert covers one that service discovery dropped."""
     expr = _alert("CanarydTargetMissing")["expr"]
     assert "absent(up{" in expr and "unless up{" in expr
+
+
+def test_the_template_takes_metrics_from_the_table(tmp_path, monkeypatch) -> None:
+    """The template writes no metric by name, only by its row of canaryd's metric table, and a ``$name``
+    that is neither a row nor a Go template variable stops the build."""
+    assert not re.search(r"canaryd_\w", build_rules.TEMPLATE.read_text())
+    template = tmp_path / "t.yml"
+    template.write_text("expr: increase($probes{$selector}[5m]) > 0 and $labels.backend\n")
+    monkeypatch.setattr(build_rules, "TEMPLATE", template)
+    assert (
+        build_rules.render()
+        == 'expr: increase(canaryd_backend_probes_total{job="canaryd"}[5m]) > 0 and $labels.backend\n'
+    )
+    template.write_text("expr: $probez{$selector} > 0\n")
+    with pytest.raises(ValueError, match=r"\$probez: no such metric"):
+        build_rules.render()

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from canaryd.daemon.metrics import PAIR_FAMILIES, Metrics
+from canaryd.daemon.metric_table import METRICS
+from canaryd.daemon.metrics import Metrics
 from canaryd.judge.compare import Verdict
 
 REPO = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
@@ -86,6 +87,10 @@ def test_check_detects_stale_json(tmp_path):
     assert bd.main(["--check", "--output", str(tmp_path / "missing.json")]) == 1
     assert bd.main(["--output", str(stale)]) == 0
     assert bd.main(["--check", "--output", str(stale)]) == 0
+
+
+def test_the_generator_takes_metric_names_from_the_table():
+    assert not re.findall(r"\bcanaryd_[a-z]+_\w+", GENERATOR.read_text())
 
 
 def test_generation_is_deterministic():
@@ -205,13 +210,13 @@ def test_metric_names_exist_in_registry(exprs):
 
 
 def test_every_metric_is_on_the_dashboard(exprs):
-    """A new metric needs a panel (or an entry here saying why not)."""
-    # set only where failover leases are configured; the live check needs data for every panel query
-    not_shown = {"canaryd_backend_lease_held"}
+    """A new metric needs a panel, or ``drawn=False`` on its row of the metric table."""
+    not_shown = {m.name for m in METRICS if not m.drawn}
     names = registry_names()
     used = {names[m] for _, e in exprs for m in METRIC.findall(e) if m in names}
     families = {f.name for f in Metrics().registry.collect() if f.name.startswith("canaryd_")}
     assert families - used - not_shown == set()
+    assert used & not_shown == set(), "a panel queries a metric its table row says is not drawn"
 
 
 def test_queries_filter_by_job_and_instance(exprs):
@@ -227,12 +232,8 @@ def test_queries_filter_by_job_and_instance(exprs):
 
 @functools.cache
 def _family_labels() -> dict[str, set[str]]:
-    """Family name → label names, from the metric objects on Metrics (the registry omits them until set)."""
-    m = Metrics()
-    out = {v._name: set(v._labelnames) for v in vars(m).values() if hasattr(v, "_labelnames")}
-    for name, _, attr in PAIR_FAMILIES:
-        out[name] = {"backend", "canary"} | ({"verdict"} if attr == "verdict" else set())
-    return out
+    """Family name → label names, from the declaration table (the registry omits them until set)."""
+    return {m.name: set(m.labels) for m in METRICS}
 
 
 def _labels(sample_name: str) -> set[str]:

@@ -11,11 +11,13 @@ import httpx2
 import pytest
 import structlog
 
+from canaryd.daemon.metric_table import METRICS, LeaseLoss
 from canaryd.daemon.metrics import Metrics
 from canaryd.daemon.service import Daemon, Generation, Tenure
 from canaryd.store import Store, lease_seconds
 from canaryd.store.leases import GRACE_MAX_S, GRACE_MIN_S, Lease
 from tests.unit.scripted_lab import ScriptedLab, scripted
+from tests.unit.test_metrics import PER_BACKEND, families_of, populated
 from tests.unit.test_scripted_daemon import IDS, daemon, passes, port, value, wait  # noqa: F401 (fixture)
 
 
@@ -113,6 +115,20 @@ def test_the_daemon_logs_and_exports_each_change_of_what_it_holds():
     ]
     assert logs[3]["previous"] == "other#2" and logs[2]["holder"] == "other#2"
     assert (held("a"), held("b")) == (0, 1)  # a failed claim changes no series: they age instead
+
+
+def test_a_lease_taken_by_another_daemon_leaves_only_the_series_the_metric_table_keeps():
+    """Every per-backend series of the table, set, then the lease lost through the daemon's `Tenure`."""
+    fleet, metrics = FleetStore(), populated("a")
+    tenure = Tenure(fleet, metrics)
+    fleet.holders = {"a": "me#1", "z": "me#1"}
+    assert tenure.claim({"a": 2.5, "z": 2.5}, ["a", "z"])[0] == {"a", "z"}
+    assert families_of(metrics, "a") == PER_BACKEND
+    fleet.holders = {"a": "other#2", "z": "me#1"}
+    assert tenure.claim({"a": 2.5, "z": 2.5}, ["a", "z"])[0] == {"z"}
+    kept = {m.name for m in METRICS if m.per_backend and m.lease_loss is LeaseLoss.KEEP}
+    assert families_of(metrics, "a") == kept
+    assert families_of(metrics, "z") == PER_BACKEND
 
 
 def test_a_daemon_that_does_not_hold_a_backend_drops_its_gauges_but_not_its_counters(daemon):  # noqa: F811

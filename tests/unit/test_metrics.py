@@ -16,7 +16,8 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families 
 from prometheus_client.parser import text_string_to_metric_families as parse_text
 
 from canaryd.daemon.httpserver import MetricsServer, anchor, runbook_html, runbook_markdown
-from canaryd.daemon.metrics import PAIR_FAMILIES, Metrics
+from canaryd.daemon.metric_table import METRICS, PAIR_FAMILIES, LeaseLoss, MetricDef, Scope
+from canaryd.daemon.metrics import Metrics
 from canaryd.judge.compare import compare
 from canaryd.observation import ErrorKind, Observation, TokenLogprob
 from canaryd.probe.run import BackendRun, Result
@@ -152,12 +153,12 @@ def test_at_most_four_series_per_canary_and_backend():
     text = body.decode()
     per_pair = [line for line in text.splitlines() if 'canary="' in line]
     assert 0 < len(per_pair) <= 4 * pairs
-    for name, _, _ in PAIR_FAMILIES:
+    for name in (f.name for f in PAIR_FAMILIES):
         keys = [
             re.sub(r",verdict=.*", "", line.split("}")[0]) for line in per_pair if line.startswith(name + "{")
         ]
         assert len(keys) == len(set(keys)), f"{name}: more than one series for a pair"
-    assert {line.split("{")[0] for line in per_pair} <= {name for name, _, _ in PAIR_FAMILIES}
+    assert {line.split("{")[0] for line in per_pair} <= {f.name for f in PAIR_FAMILIES}
     # nothing per pair repeats history: no counters or histograms carry a canary label
     assert not re.search(r'_(total|bucket|sum|count)\{[^}]*canary="', text)
 
@@ -227,6 +228,88 @@ def test_lease_gauge_per_backend():
     m.set_intervals([("z", "c", 60.0)])  # b left the config: its series go
     assert 'backend="b"' not in m.exposition()[0].decode()
     assert value(m, "canaryd_backend_probe_interval_seconds", {"backend": "z"}) == 60
+
+
+def test_the_registry_is_the_table():
+    """Every family canaryd exports is a row of the table, in the table's order (the exposition's)."""
+    families = [f for f in Metrics().registry.collect() if f.name.startswith("canaryd_")]
+    assert [(f.name, f.type, f.documentation) for f in families] == [
+        (m.name, m.type, m.help) for m in METRICS
+    ]
+    assert len({m.attr for m in METRICS}) == len(METRICS)
+    m = Metrics()
+    for f in METRICS:
+        if f.scope is not Scope.PAIR:
+            assert getattr(m, f.attr)._labelnames == f.labels, f.name
+
+
+def test_a_per_backend_row_must_say_what_a_lost_lease_does():
+    with pytest.raises(ValueError, match="lost lease"):
+        MetricDef("x", "canaryd_backend_x", "gauge", "x", ("backend",), Scope.PASS)
+    with pytest.raises(ValueError, match="lost lease"):
+        MetricDef("x", "canaryd_x", "gauge", "x", (), Scope.LIVE, LeaseLoss.DROP)
+
+
+def populated(backend: str) -> Metrics:
+    """Every series of the table set for ``backend`` (and for a bystander, "z"), through the daemon's
+    calls where one sets it (pairs, lease, interval) and directly where only a pass's detail would."""
+    m = Metrics()
+    m.set_intervals([(backend, "c", 60.0), ("z", "c", 60.0)])
+    for b in (backend, "z"):
+        m.set_lease(b, True)
+        m.record(run(backend=b), now=10.0)
+        for f in METRICS:
+            if f.per_backend and f.scope is Scope.PASS:
+                series = getattr(m, f.attr).labels(
+                    **{label: b if label == "backend" else "x" for label in f.labels}
+                )
+                getattr(series, {"counter": "inc", "gauge": "set", "histogram": "observe"}[f.type])(1)
+    m.publish()
+    return m
+
+
+def families_of(m: Metrics, backend: str) -> set[str]:
+    """The families with a series of ``backend`` in both scrape formats (the same set in each)."""
+    out = []
+    for accept in ("", "application/openmetrics-text; version=1.0.0"):
+        text = m.exposition(accept)[0].decode()
+        parse = parse_openmetrics if accept else parse_text
+        out.append(
+            {
+                fam.name.removesuffix("_total")
+                for fam in parse(text)
+                for s in fam.samples
+                if s.labels.get("backend") == backend
+            }
+        )
+    assert out[0] == out[1]
+    return out[0]
+
+
+PER_BACKEND = {f.name for f in METRICS if f.per_backend}
+
+
+def test_every_per_backend_series_is_set_by_the_fixture():
+    assert families_of(populated("b"), "b") == PER_BACKEND
+
+
+def test_a_backend_dropped_by_a_reload_leaves_no_series():
+    """Every per-backend family of the table, as the daemon's reload drops the backend."""
+    m = populated("b")
+    m.set_intervals([("z", "c", 60.0)])
+    assert families_of(m, "b") == set()
+    assert families_of(m, "z") == PER_BACKEND
+
+
+def test_a_lost_lease_leaves_only_what_the_table_keeps():
+    """Counters, the histogram, the interval and the lease itself (at 0) stay; every state the holder now
+    reports goes (the pairs, the stack, the detector, reachability, the reference, the text basis)."""
+    m = populated("b")
+    m.set_lease("b", False)
+    keep = {f.name for f in METRICS if f.per_backend and f.lease_loss is LeaseLoss.KEEP}
+    assert families_of(m, "b") == keep
+    assert value(m, "canaryd_backend_lease_held", {"backend": "b"}) == 0
+    assert families_of(m, "z") == PER_BACKEND
 
 
 def test_interval_is_the_backends_longest():
