@@ -165,7 +165,6 @@ def load(s: Session, backend: str) -> tuple[Loaded, set[str]]:
     """Every baseline and calibration of a backend (four statements), and the content keys they show."""
     from canaryd.store.queries import _observations
     from canaryd.store.schema import BaselineRow, CalibrationRow, ObservationRow
-    from canaryd.store.writes import request_ref
 
     b, o, c = (t.__table__.c for t in (BaselineRow, ObservationRow, CalibrationRow))  # type: ignore[attr-defined]
     conn = s.connection()  # Core statements: a new store compiles each once, and the ORM's cost more
@@ -174,7 +173,7 @@ def load(s: Session, backend: str) -> tuple[Loaded, set[str]]:
     baselines, known = {}, set()
     for row, obs in zip(rows, _observations(s, rows), strict=True):
         baselines[(row.canary_id, keys[row.id])] = Baseline(row.id, obs, row.correct)  # type: ignore[arg-type]
-        known.update(h for h in (row.stack_hash, row.payload_hash, request_ref(row.request)) if h)
+        known.update(h for h in (row.stack_hash, row.payload_hash, obs.request_ref) if h)
     q = select(c.canary_id, c.configuration, c.model).where(c.backend == backend)
     calibrations = {(cid, k): model for cid, k, model in conn.execute(q)}
     return Loaded(baselines, calibrations), known

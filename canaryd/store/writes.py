@@ -11,8 +11,6 @@ takes the latest of any).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import threading
 from collections.abc import Callable, Sequence
 from datetime import datetime
@@ -23,7 +21,7 @@ from sqlalchemy import bindparam, delete, or_, update
 from sqlalchemy.orm import aliased
 from sqlmodel import Session, SQLModel, col, select
 
-from canaryd.observation import Observation, utcnow
+from canaryd.observation import Observation, canonical_digest, utcnow
 from canaryd.stack import configuration_of
 from canaryd.stack import stack_hash as hash_of
 from canaryd.store.cache import latest_configuration
@@ -54,34 +52,6 @@ FIRST_OF_CONFIGURATION = ("baseline", "new-configuration")
 
 Written = tuple[Observation, ComparisonLike, "int | None"]  # what `Writes.record` takes per observation
 log = structlog.get_logger("canaryd.store")
-
-
-def _digest(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-_REFS: dict[int, tuple[dict, str]] = {}  # id(request body) → (that body, its hash)
-_REFS_LOCK = threading.Lock()
-_REFS_MAX = 4096
-
-
-def request_ref(body: dict) -> str:
-    """The content hash of a request body. Probers hand out one body per canary (`openai_compat`), so the
-    hash is kept by the body's identity: a body never changes once sent (the entry holds it, so its id is
-    not reused); the map is emptied when full."""
-    hit = _REFS.get(id(body))
-    if hit is not None and hit[0] is body:
-        return hit[1]
-    ref = _digest(_canonical(body))
-    with _REFS_LOCK:
-        if len(_REFS) >= _REFS_MAX:
-            _REFS.clear()
-        _REFS[id(body)] = (body, ref)
-    return ref
-
-
-def _canonical(doc: object) -> bytes:
-    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str).encode()
 
 
 def _insert(s: Session, table: type[SQLModel]):
@@ -233,7 +203,7 @@ class Writes(Connected):
                 data = compress_payload(canonical)
                 _insert_ignore(s, PayloadRow, hash=payload_hash, format=PAYLOAD_FORMAT, data=data)
             learned.add(payload_hash)
-        ref = request_ref(obs.request)
+        ref = obs.request_ref
         if ref not in known and not self._exists(s, RequestRow, ref):
             _insert_ignore(s, RequestRow, hash=ref, body=obs.request)
         learned.add(ref)
@@ -260,7 +230,7 @@ class Writes(Connected):
             "comparison": comparison.as_dict(),
             "baseline_id": baseline_id,
         }
-        outcome_hash = _digest(_canonical(fields))
+        outcome_hash = canonical_digest(fields)
         by_hash = _BY_HASH["outcome"], {"key": outcome_hash}
         outcome_id = s.connection().execute(*by_hash).scalar()
         if outcome_id is None:
