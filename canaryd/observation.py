@@ -6,6 +6,8 @@ Everything here is plain data. Backends build it, `canaryd.store` persists it, `
 from __future__ import annotations
 
 import enum
+import hashlib
+import json
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -15,6 +17,14 @@ from datetime import UTC, datetime
 def utcnow() -> datetime:
     """Aware UTC now: every timestamp canaryd records (observations, runs, baselines) comes from here."""
     return datetime.now(UTC)
+
+
+def canonical_digest(doc: object) -> str:
+    """The SHA-256 (hex) of ``doc`` as canonical JSON (sorted keys, no spaces, UTF-8; anything JSON cannot
+    hold as its ``str``): the store's content keys, a request body's (`Observation.request_ref`) and an
+    outcome's. Stored keys are digests of these bytes: changing them would orphan every stored row."""
+    text = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 class ErrorKind(enum.StrEnum):
@@ -80,7 +90,7 @@ class Observation:
     suite: str
     started_at: datetime
     request: dict  # the exact request body sent (minus credentials)
-    request_hash: str
+    request_hash: str  # the baseline key: the kind's hash of what the canary decides (`Prober.request_hash`)
     latency_s: float = 0.0
     text: str | None = None
     finish_reason: str | None = None
@@ -99,6 +109,13 @@ class Observation:
     # The answer's tool calls (None: the response had none). The text carries them too (`openai_wire`), so
     # the store keeps them and a baseline compares them like any answer.
     tool_calls: tuple[ToolCall, ...] | None = None
+    # The key of ``request`` in the store (`canonical_digest` of it). A prober that prepares a request once
+    # for many observations hands its digest in; otherwise it is computed here, once.
+    request_ref: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.request_ref:
+            self.request_ref = canonical_digest(self.request)
 
     @property
     def ok(self) -> bool:

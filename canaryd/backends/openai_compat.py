@@ -26,7 +26,7 @@ from canaryd.backends.base import BackendUnavailable, HttpSettings, log
 from canaryd.backends.profile import DEFAULT, RequestProfile
 from canaryd.canaries import Canary
 from canaryd.lazy import lazy_import
-from canaryd.observation import ErrorKind, Observation, storable, utcnow
+from canaryd.observation import ErrorKind, Observation, canonical_digest, storable, utcnow
 
 httpx2 = lazy_import("httpx2")  # a probe's, not a config check's: `canaryd validate` stays fast
 transport = lazy_import("canaryd.backends.transport")
@@ -62,10 +62,12 @@ PREPARED_MAX = 1024  # canaries whose request a prober keeps built
 
 @dataclass(frozen=True, slots=True)
 class Prepared:
-    """A canary's request as sent: body, hash, bytes on the wire, URL, and the parser of its answer."""
+    """A canary's request as sent: body, its two digests (the baseline key ``hash``, the stored body's key
+    ``ref``), bytes on the wire, URL, and the parser of its answer."""
 
     body: dict
     hash: str
+    ref: str
     content: bytes
     url: str
     parse: Callable[[Any], wire.Parsed]
@@ -159,8 +161,9 @@ class Prober:
 
     def _prepared(self, canary: Canary) -> Prepared:
         """The canary's request, built once: a canary's body is the same every cycle, and building it
-        (a model dump, two JSON encodings, a hash) cost more than parsing the answer. Canaries are frozen
-        and hashable; a chain's steps (new text each cycle) only fill the map, which is emptied when full.
+        (a model dump, JSON encodings, its two digests) cost more than parsing the answer. Canaries are
+        frozen and hashable; a chain's steps (new text each cycle) only fill the map, which is emptied when
+        full.
 
         The hash is the default profile's body: what the canary decides. A profile change keeps the
         baseline and shows as the stack field ``request.profile``, not as a new canary."""
@@ -168,7 +171,8 @@ class Prober:
         if hit is None:
             body = {**self.body(canary, self.profile), **self.profile.extra_body}
             canonical = body if self.profile == DEFAULT else self.body(canary, DEFAULT)
-            hit = Prepared(body, wire.request_hash(canonical), wire_body(body), *self.route(canary))
+            digests = wire.request_hash(canonical), canonical_digest(body)
+            hit = Prepared(body, *digests, wire_body(body), *self.route(canary))
             if len(self._requests) >= PREPARED_MAX:
                 self._requests.clear()
             self._requests[canary] = hit
@@ -176,7 +180,9 @@ class Prober:
 
     def attempt(self, canary: Canary) -> Observation:
         req = self._prepared(canary)
-        obs = Observation(self.name, canary.id, canary.suite, utcnow(), req.body, req.hash)
+        obs = Observation(
+            self.name, canary.id, canary.suite, utcnow(), req.body, req.hash, request_ref=req.ref
+        )
         parse, t0 = req.parse, time.perf_counter()
         try:
             reply = self.exchange("POST", req.url, content=req.content, headers=JSON)

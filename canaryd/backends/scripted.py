@@ -221,7 +221,7 @@ class Prober:
         body = self.request(canary)
         obs = Observation(self.name, canary.id, canary.suite, utcnow(), body, wire.request_hash(body))
         with self._lock:
-            key = (self.cycle, f"{canary.id}\x1f{wire.request_hash(body)}")
+            key = (self.cycle, f"{canary.id}\x1f{obs.request_hash}")
             n = self._attempts[key] = self._attempts.get(key, 0) + 1
             self._draws += 1
             draw = self._draws

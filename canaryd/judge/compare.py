@@ -9,18 +9,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from canaryd.judge.evidence import Evidence, cycle_evalue
 from canaryd.judge.signals import combine, score_signals
-from canaryd.judge.stats import (
-    DetectorState,
-    Evidence,
-    NoiseModel,
-    common_prefix,
-    cusum,
-    cycle_evalue,
-    min_out_for,
-    out_bound,
-    score,
-)
+from canaryd.judge.stats import DetectorState, NoiseModel, common_prefix, cusum, min_out_for, out_bound, score
 from canaryd.judge.verdicts import Verdict
 from canaryd.observation import ErrorKind, Observation, TokenLogprob, tokens_problem
 from canaryd.stack import FieldChange, diff
@@ -258,7 +249,7 @@ def compare(
             reasons.append(
                 f"calibrated on {noise.basis}, compared on {basis}: the answer judged uncalibrated"
             )
-        signals = {ev.detail["signal"]: ev for ev in score_signals(noise, current)}
+        signals = {ev.detail["signal"]: ev for ev in score_signals(noise.signals, current)}
     elif noise is not None:
         reasons.append("calibration is for an older request of this canary: run `baseline calibrate`")
     latency_ev = signals.pop("latency_s", None)

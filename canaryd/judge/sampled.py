@@ -46,7 +46,7 @@ fact, not a test). Verdicts, first that applies:
 The `Evidence` names the deciding test (answers, unless only the logprob test rejects or its p-value is the
 smaller), its statistic and the critical value it had to exceed (statistic > threshold ⇔ p ≤ alpha / 2),
 the Bonferroni-adjusted p-value ``min(1, 2·min(p_answers, p_logprob))`` and the e-value ``κ·p^(κ−1)``
-(κ = 0.5, `canaryd.judge.stats.p_to_e`), so a sampled canary's evidence combines with the rest of canaryd.
+(κ = 0.5, `canaryd.judge.evidence.p_to_e`), so a sampled canary's evidence combines with the rest of canaryd.
 
 **Without logprobs** (a backend that returns none, on either side): the answer test and the correctness
 intervals run on the text alone, the logprob test has nothing to compare (its p-value is 1), and the
@@ -68,7 +68,7 @@ import numpy as np
 
 from canaryd.canaries import Expect
 from canaryd.judge.compare import Comparison, Evidence, Verdict, basis_of
-from canaryd.judge.stats import p_to_e
+from canaryd.judge.evidence import p_to_e
 from canaryd.observation import Observation, tokens_problem
 from canaryd.stack import diff, merge_stacks
 

@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from canaryd.judge.stats import GUARD, Evidence, NoiseModel, cycle_evalue, p_to_e, robust_spread
+from canaryd.judge.evidence import GUARD, Evidence, cycle_evalue, p_to_e, robust_spread
 from canaryd.observation import Observation
 
 LATENCY_RATIO = 1.5  # a latency signal is out only this many times slower (or faster) than calibrated ...
@@ -121,10 +121,13 @@ class SignalFit:
         return {"median": show(self.median), "min": show(min(self.values)), "max": show(max(self.values))}
 
 
-def score_signals(model: NoiseModel, obs: Observation, names: Sequence[str] | None = None) -> list[Evidence]:
-    """``obs`` scored on each calibrated non-logprob signal it carries (``names``: only these)."""
+def score_signals(
+    fits: Mapping[str, SignalFit], obs: Observation, names: Sequence[str] | None = None
+) -> list[Evidence]:
+    """``obs`` scored on each calibrated non-logprob signal it carries (``fits``: a noise model's
+    ``signals``; ``names``: only these)."""
     out = []
-    for name, fit in model.signals.items():
+    for name, fit in fits.items():
         if (names is None or name in names) and (x := signal_value(obs, name)) is not None:
             out.append(fit.score(x))
     return out

@@ -63,16 +63,11 @@ import statistics
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from canaryd.judge.evidence import GUARD, S_FLOOR, Evidence, p_to_e, robust_spread
+from canaryd.judge.signals import SignalFit
 from canaryd.observation import Observation, logprob_problem, tokens_problem
 
-if TYPE_CHECKING:
-    from canaryd.judge.signals import SignalFit
-
-S_FLOOR = 1e-6  # nats: below the float32 resolution of a logprob's magnitude, so only real change counts
-GUARD = 0.2  # the margin over the largest honest leave-one-out distance
-KAPPA = 0.5  # p-to-e calibrator: e = κ·p^(κ−1); bounded by 0.5·√(K+1) per canary
 MIN_SUPPORT = 3  # coordinates seen in fewer calibration probes borrow the canary's median spread
 
 Key = tuple[int, str]
@@ -84,38 +79,6 @@ class Regime(enum.StrEnum):
     EXACT = "exact"  # one bit-exact signature: any change counts
     MODAL = "modal"  # a few signatures (at most K/3): discrete numerical paths
     CONTINUOUS = "continuous"  # nearly every probe different
-
-
-@dataclass(frozen=True, slots=True)
-class Evidence:
-    """The statistical decision behind a verdict: what was measured, the bar it had to clear, and how
-    surprising it is under the calibrated noise (a p-value, and the same as an e-value for combining
-    evidence across canaries and cycles)."""
-
-    method: str  # how the statistic was computed, e.g. "exact", "conformal-nn", "two-sample"
-    statistic: float
-    threshold: float
-    p_value: float | None = None
-    e_value: float | None = None
-    detail: dict = field(default_factory=dict)  # method-specific figures (rates, intervals, counts)
-    basis: str = "logprobs"  # "text": the answers compared carried no logprobs (text, usage and stack only)
-
-    @property
-    def out(self) -> bool:
-        """True when the statistic clears its threshold: the change is more than noise."""
-        return self.statistic > self.threshold
-
-    def as_dict(self) -> dict:
-        return {
-            "method": self.method,
-            "statistic": self.statistic,
-            "threshold": self.threshold,
-            "p_value": self.p_value,
-            "e_value": self.e_value,
-            "out": self.out,
-            "basis": self.basis,
-            **({"detail": self.detail} if self.detail else {}),
-        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,13 +161,6 @@ def noise_floor(model: NoiseModel) -> float:
     )
 
 
-def robust_spread(values: Sequence[float]) -> float:
-    """max(1.4826·MAD, range/4, S_FLOOR): the MAD for a bulk, the range for a few discrete modes."""
-    med = statistics.median(values)
-    mad = statistics.median(abs(v - med) for v in values)
-    return max(1.4826 * mad, (max(values) - min(values)) / 4, S_FLOOR)
-
-
 SIGNALS = ("reasoning_tokens", "latency_s")  # calibrated beside the logprobs (canaryd.judge.signals)
 
 
@@ -231,8 +187,6 @@ class NoiseModel:
         object.__setattr__(self, "signatures", n)
         object.__setattr__(self, "completions", Counter(r.completion for r in self.refs))
         object.__setattr__(self, "regime", regime)
-        from canaryd.judge.signals import SignalFit  # it scores with this module's rules
-
         fits = {
             name: SignalFit(name, tuple(math.log(v) for v in vs) if name == "latency_s" else tuple(vs))
             for name, vs in self.signal_values.items()
@@ -376,11 +330,6 @@ def fit(observations: Sequence[Observation]) -> NoiseModel:
     return NoiseModel(ok[0].request_hash, refs, spread, default, loo, signals)
 
 
-def p_to_e(p: float) -> float:
-    """The κ-calibrator: a valid e-value from a valid p-value."""
-    return KAPPA * p ** (KAPPA - 1)
-
-
 def score(model: NoiseModel, obs: Observation) -> Evidence:
     """How far ``obs`` lies from every honest probe, against the calibrated leave-one-out distances."""
     x = point(obs)
@@ -444,11 +393,6 @@ def min_out_for(bounds: Sequence[float], arl: float) -> int | None:
     (q the largest bound: independent canaries). None when even all n out would be too likely."""
     q = max(bounds)
     return next((m for m in range(1, len(bounds) + 1) if math.comb(len(bounds), m) * q**m <= 1 / arl), None)
-
-
-def cycle_evalue(evalues: Sequence[float]) -> float:
-    """Mean of e-values: an e-value under any dependence between canaries (Vovk & Wang 2021)."""
-    return sum(evalues) / len(evalues)
 
 
 def cusum(previous: float, e: float) -> float:

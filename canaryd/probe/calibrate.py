@@ -1,7 +1,7 @@
 """``canaryd baseline calibrate``: measure each canary's honest noise so comparisons can tell it from change.
 
 Each canary is sent K times through its backend, split over the configured load levels: alone, and inside
-batches crowded with filler requests (``census.collect``), because batched engines choose numerical paths
+batches crowded with filler requests (``batching.collect``), because batched engines choose numerical paths
 by batch shape. `stats.fit` turns the K probes into the canary's noise model, which the store keeps and
 every later comparison uses. A chained canary is run K times in sequence (its steps depend on each
 other's outputs) and each step gets its own model; sampled canaries need none (their comparison is a
@@ -143,7 +143,7 @@ def _outside(model: NoiseModel, base: Observation) -> str | None:
             if model.basis == "logprobs"
             else f"its text is none of the {model.k} answers"
         )
-    elif (evs := score_signals(model, base, ["reasoning_tokens"])) and evs[0].out:
+    elif (evs := score_signals(model.signals, base, ["reasoning_tokens"])) and evs[0].out:
         low, high = evs[0].detail["calibrated_range"]
         why = f"its reasoning tokens {evs[0].detail['value']:g}, calibrated {low:g}..{high:g}"
     else:

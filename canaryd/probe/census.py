@@ -4,55 +4,36 @@
 result depends on what else shared the batch (Thinking Machines: 1,000 identical greedy requests to
 Qwen3-235B gave 80 distinct completions). The census measures this from outside, per canary × backend:
 
-* ``collect`` sends ``n`` probes of the canary for each batch size ``b``: at ``b = 1`` one after another;
-  at ``b > 1`` each probe is released together with ``b − 1`` filler requests (other prompts, same
-  decoding), so the engine batches them with it. Filler answers are thrown away.
+* `canaryd.probe.batching.collect` sends ``n`` probes of the canary for each batch size ``b``: at ``b = 1``
+  one after another; at ``b > 1`` each probe is released together with ``b − 1`` filler requests (other
+  prompts, same decoding: `canaryd.probe.shapes.fillers_for`), so the engine batches them with it. Filler
+  answers are thrown away.
 * `canaryd.judge.census` summarizes what varied: distinct completions and signatures, where probes first
   left the modal completion, the per-position logprob spread; whether the canary is deterministic and
   batch-invariant.
 
-Nothing here touches the history:
-census probes would disturb the baselines. ``canaryd baseline calibrate`` reuses `collect` and `fillers_for`.
+Nothing here touches the history: census probes would disturb the baselines. ``canaryd baseline
+calibrate`` sends its probes the same way.
 
 A backend whose kind serialises its probes (concurrency 1) never batches its fillers with the canary.
 """
 
 from __future__ import annotations
 
-import itertools
-import threading
 import time
-from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from canaryd import progress
 from canaryd.backends import Backend
-from canaryd.canaries import Canary, Message
+from canaryd.canaries import Canary
 from canaryd.config import Config
 from canaryd.errors import EXIT_DRIFT, EXIT_OK, EXIT_UNAVAILABLE, InputError
 from canaryd.judge.census import Census, summarize
-from canaryd.observation import Observation
-from canaryd.probe import vet
-from canaryd.probe.shapes import shape_of
+from canaryd.probe.batching import collect
+from canaryd.probe.shapes import fillers_for, shape_of
 
 MAX_BATCH = 256  # the most requests a census puts in flight at once (BackendConfig.concurrency's bound)
-
-# Varied prompts that crowd a batch when the suites offer too few other canaries.
-_FILLER_PROMPTS = (
-    "Write a haiku about autumn leaves.",
-    "List five prime numbers greater than 100.",
-    "Explain in one sentence why the sky is blue.",
-    "Translate 'good morning' into French, German and Spanish.",
-    "Name three rivers in Africa.",
-    "Describe a bicycle to someone who has never seen one.",
-    "What is the boiling point of water at sea level in Fahrenheit?",
-    "Give a synonym for 'rapid'.",
-)
-BUILTIN_FILLERS = tuple(
-    Canary(id=f"census-filler-{i}", messages=(Message(role="user", content=p),), suite="census")
-    for i, p in enumerate(_FILLER_PROMPTS)
-)
 
 
 def parse_batch_sizes(value: str) -> tuple[int, ...]:
@@ -67,50 +48,6 @@ def parse_batch_sizes(value: str) -> tuple[int, ...]:
         if int(part) not in sizes:
             sizes.append(int(part))
     return tuple(sizes)
-
-
-def fillers_for(canary: Canary, others: Iterable[Canary]) -> list[Canary]:
-    """Filler requests for ``canary``: the other single-request canaries, then the built-in prompts, all with
-    the canary's decoding, so fillers stay in the batch as long as the canary can (same ``max_tokens``)."""
-    pool = [c for c in others if c.id != canary.id and shape_of(c).single_request] + list(BUILTIN_FILLERS)
-    return [c.model_copy(update={"decoding": canary.decoding}) for c in pool]
-
-
-def collect(
-    backend: Backend, canary: Canary, *, n: int, batch_sizes: Sequence[int], fillers: Sequence[Canary]
-) -> dict[int, list[Observation]]:
-    """``n`` probes of ``canary`` per batch size; at ``b > 1`` each shares the moment with ``b − 1`` fillers.
-
-    The ``b`` requests of a round wait on one barrier and are released together, so the engine sees them
-    in flight at once (continuous batching puts them in the same steps). Fillers cycle through
-    ``fillers`` round after round, varying the batch's make-up. ``backend`` must allow ``max(batch_sizes)``
-    requests in flight (its ``concurrency``), or the client queues them and the batch is not crowded.
-    """
-    if any(b > 1 for b in batch_sizes) and not fillers:
-        raise ValueError("batch sizes above 1 need filler canaries")
-    cycle = itertools.cycle(fillers)
-    out: dict[int, list[Observation]] = {}
-    with ThreadPoolExecutor(max_workers=max(batch_sizes), thread_name_prefix="census") as pool:
-        for b in batch_sizes:
-            out[b] = []
-            for _ in range(n):
-                if b == 1:
-                    out[b].append(vet.probe(backend, canary))
-                    progress.step()
-                    continue
-                barrier = threading.Barrier(b)
-
-                def send(c: Canary, barrier: threading.Barrier = barrier) -> Observation:
-                    barrier.wait()  # the pool has a thread for each of the round's b requests
-                    return vet.probe(backend, c)
-
-                mine = pool.submit(send, canary)
-                crowd = [pool.submit(send, next(cycle)) for _ in range(b - 1)]
-                out[b].append(mine.result())
-                for f in crowd:
-                    f.result()  # wait, so rounds never overlap; filler observations are discarded
-                progress.step()
-    return out
 
 
 def run_census(

@@ -29,7 +29,7 @@ from canaryd.observation import ErrorKind, Observation, storable, utcnow
 from canaryd.probe import reference, vet
 from canaryd.probe.shapes import Judged, shape_of
 from canaryd.stack import configuration_of, merge_stacks, stack_hash
-from canaryd.store import Judging, Store, open_store
+from canaryd.store import Reads, Store, open_store
 
 log = structlog.get_logger("canaryd.probe")
 
@@ -99,7 +99,7 @@ def probe_backend(backend: Backend, canaries: Sequence[Canary], store: Store, co
             if obs.ok:
                 obs.stack = {**stack, **obs.stack}
     try:  # baselines and calibrations, re-read only when they changed
-        reads: Judging | Store = store.judging(backend.name)
+        reads: Reads = store.judging(backend.name)
     except Exception:  # each canary reads its own, and a failure costs only that canary
         bound.exception("judging_reads_failed")
         reads = store
@@ -183,7 +183,7 @@ def probe_backend(backend: Backend, canaries: Sequence[Canary], store: Store, co
 
 def _reference_checks(
     config: Config,
-    reads: Judging | Store,
+    reads: Reads,
     name: str,
     canaries: Sequence[Canary],
     sent: list[list[Observation]],
@@ -202,7 +202,7 @@ def _reference_checks(
 
 
 def _noise_floors(
-    reads: Judging | Store, name: str, canaries: Sequence[Canary], sent: list[list[Observation]]
+    reads: Reads, name: str, canaries: Sequence[Canary], sent: list[list[Observation]]
 ) -> dict[str, float]:
     """Each answered canary's calibrated noise floor on this backend (`stats.noise_floor`): under the
     configuration that answered, else under the latest one calibrated (a provider's noise is more its
@@ -229,11 +229,11 @@ REPLACED = (
 )
 
 
-class _Pooled:
+class _Pooled(Reads):
     """The reads of one baseline per canary × backend (the latest of any configuration): the rule for a
     backend whose configuration was replaced rather than joined by another."""
 
-    def __init__(self, reads: Judging | Store) -> None:
+    def __init__(self, reads: Reads) -> None:
         self._reads = reads
 
     def baseline(self, backend: str, canary_id: str, configuration: str | None = None):
@@ -241,6 +241,9 @@ class _Pooled:
 
     def baselines(self, backend: str, canary_id: str) -> dict:
         return {}
+
+    def configurations(self, backend: str) -> set[str]:
+        return set()
 
     def calibration(self, backend: str, canary_id: str, configuration: str | None = None):
         return self._reads.calibration(backend, canary_id)
@@ -250,7 +253,7 @@ class _Pooled:
 
 
 def _replacement(
-    reads: Judging | Store,
+    reads: Reads,
     backend: str,
     config: Config,
     canaries: Sequence[Canary],

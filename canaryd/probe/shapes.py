@@ -21,7 +21,7 @@ failed check's reason joins the comparison's.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -33,13 +33,14 @@ from canaryd.judge.sampled import compare_samples
 from canaryd.judge.stats import CalibrationError, NoiseModel
 from canaryd.observation import ErrorKind, Observation
 from canaryd.probe import vet
+from canaryd.probe.batching import BUILTIN_FILLERS, collect
 from canaryd.probe.chain import mark_divergence, run_chain
 from canaryd.stack import IDENTITY_FIELDS, configuration_of
 
 if TYPE_CHECKING:
     from canaryd.backends import Backend
     from canaryd.config import CompareConfig
-    from canaryd.store import Judging
+    from canaryd.store import Reads
 
 
 Probes = dict[str, list[Observation]]  # observed id → its K calibration probes
@@ -74,7 +75,7 @@ def _timed_out(obs: Observation, e: CheckTimeout) -> None:
     obs.error_kind, obs.error = ErrorKind.CHECK_TIMEOUT, f"canary {obs.canary_id!r}: {e}"
 
 
-def _compare(store: Judging, settings: CompareConfig, obs: Observation, expect: Expect | None) -> Judged:
+def _compare(store: Reads, settings: CompareConfig, obs: Observation, expect: Expect | None) -> Judged:
     why = None
     try:
         correct, why = _checked(expect, obs)
@@ -141,7 +142,7 @@ class Plain:
         return [vet.probe(backend, canary)]
 
     def judge(
-        self, store: Judging, settings: CompareConfig, canary: Canary, observations: list[Observation]
+        self, store: Reads, settings: CompareConfig, canary: Canary, observations: list[Observation]
     ) -> list[Judged]:
         """Each observation against its baseline, before the backend's cycle is decided."""
         return [_compare(store, settings, obs, canary.expect) for obs in observations]
@@ -155,8 +156,6 @@ class Plain:
     ) -> Probes:
         """K honest probes per observed id, for `canaryd.judge.stats.fit`: split over the load levels (alone,
         and inside crowded batches), the first levels taking the remainder."""
-        from canaryd.probe.census import collect, fillers_for  # census asks shapes which canaries fill
-
         fillers = fillers_for(canary, others)
         got = []
         for i, size in enumerate(batch_sizes):
@@ -173,7 +172,7 @@ class Chained(Plain):
         return run_chain(backend, canary)
 
     def judge(
-        self, store: Judging, settings: CompareConfig, canary: Canary, observations: list[Observation]
+        self, store: Reads, settings: CompareConfig, canary: Canary, observations: list[Observation]
     ) -> list[Judged]:
         final = len(observations) - 1
         return [
@@ -209,7 +208,7 @@ class Sampled(Plain):
         ]
 
     def judge(
-        self, store: Judging, settings: CompareConfig, canary: Canary, observations: list[Observation]
+        self, store: Reads, settings: CompareConfig, canary: Canary, observations: list[Observation]
     ) -> list[Judged]:
         """Every sample with the set's comparison (its own correctness; a failed sample is an ``error``).
 
@@ -270,7 +269,7 @@ class Conformance(Plain):
         return out
 
     def judge(
-        self, store: Judging, settings: CompareConfig, canary: Canary, observations: list[Observation]
+        self, store: Reads, settings: CompareConfig, canary: Canary, observations: list[Observation]
     ) -> list[Judged]:
         """The pair first (a failing side becomes a ``nonconformant`` error), then each side against its
         baseline; ``expect``, if any, judges the high side."""
@@ -313,3 +312,10 @@ def shape_of(canary: Canary) -> Plain:
     if canary.steps is not None:
         return CHAINED
     return SAMPLED if canary.decoding.samples > 1 else PLAIN
+
+
+def fillers_for(canary: Canary, others: Iterable[Canary]) -> list[Canary]:
+    """Filler requests for ``canary``: the other single-request canaries, then the built-in prompts, all with
+    the canary's decoding, so fillers stay in the batch as long as the canary can (same ``max_tokens``)."""
+    pool = [c for c in others if c.id != canary.id and shape_of(c).single_request] + list(BUILTIN_FILLERS)
+    return [c.model_copy(update={"decoding": canary.decoding}) for c in pool]

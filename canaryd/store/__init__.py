@@ -2,14 +2,18 @@
 
 The package, by role (dependencies point down this list, and never into ``canaryd.judge``):
 
-* ``records``: the plain frozen records the store returns, and the Protocols of what it takes in;
+* ``records``: the plain frozen records the store returns, the Protocols of what it takes in, and `Reads`,
+  the read interface judging goes through;
 * ``schema``: the tables (SQLModel) and the encoding of token payloads: the store's own business;
+* ``cache``: what passes read, held in memory between them;
 * ``engine``: connecting, SQLite pragmas, and the Alembic migrations every `Store` runs first;
-* ``writes`` and ``queries``: the two halves of `Store`, composed here.
+* ``baselines`` (what judging reads: baselines, keeps, noise models, the detector), ``writes`` (runs and
+  observations), ``maintenance`` (retention) and ``queries`` (the reads): the parts of `Store`, composed
+  here.
 
 Fleets: several daemons (distinct instance names) may write one PostgreSQL database at once; see
-``writes`` for how content-addressed rows and shared baselines stay consistent, and ``leases`` for how
-they share the probing.
+``writes`` for how content-addressed rows stay consistent, ``baselines`` for shared baselines, and
+``leases`` for how they share the probing.
 """
 
 from __future__ import annotations
@@ -24,9 +28,11 @@ from typing import TYPE_CHECKING
 import structlog
 
 from canaryd.errors import InputError
-from canaryd.store.cache import Cache, Judging, shared
+from canaryd.store.baselines import Baselines
+from canaryd.store.cache import Cache, shared
 from canaryd.store.engine import StorageUnusable, label, make_engine, migrate
 from canaryd.store.leases import Leases, holder_name, lease_seconds
+from canaryd.store.maintenance import Maintenance
 from canaryd.store.queries import Queries
 from canaryd.store.records import (
     Accepted,
@@ -34,6 +40,7 @@ from canaryd.store.records import (
     ComparisonLike,
     DetectorDoc,
     NoiseModelLike,
+    Reads,
     RunInfo,
     RunStacks,
     StackSeen,
@@ -46,8 +53,8 @@ __all__ = [
     "Baseline",
     "ComparisonLike",
     "DetectorDoc",
-    "Judging",
     "NoiseModelLike",
+    "Reads",
     "RunInfo",
     "RunStacks",
     "StackSeen",
@@ -65,7 +72,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger("canaryd.store")
 
 
-class Store(Writes, Queries, Leases):
+class Store(Writes, Baselines, Maintenance, Queries, Leases):
     """All reads and writes of the history. One instance per process; thread-safe (a session per call).
 
     Several processes may share one database (a fleet of daemons on PostgreSQL, or the daemon and the CLI on

@@ -6,7 +6,7 @@ with one *generation* query: aggregates of the ``baseline`` and ``calibration`` 
 of their observation ids and timestamps) that any insert, replacement or delete moves, whichever process
 made it (``baseline accept``, ``baseline calibrate``, another daemon of a fleet). Unchanged: the backend's
 baselines and calibrations are those in memory, and the pass reads no row of them. Changed (or never
-read): the backend's are loaded whole, in four statements.
+read): the backend's are loaded whole, in four statements (`canaryd.store.queries.Queries.judging`).
 
 Content-addressed rows (stack, payload, request) are immutable, so the keys known to exist are kept too,
 and the writes skip their look-ups. A prune (by any process) may delete one: the write that refers to it
@@ -19,12 +19,10 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from sqlalchemy import select
 from sqlalchemy.engine import Connection
-from sqlmodel import Session
 
 from canaryd.observation import Observation
-from canaryd.store.records import Baseline
+from canaryd.store.records import Baseline, Reads, latest, latest_configuration
 
 Generation = tuple
 
@@ -115,10 +113,10 @@ def shared(database: str) -> Cache:
 
 
 class Judging:
-    """What a pass judges one backend's observations against: the store's reads the shapes make
-    (``baseline``, ``calibration``, ``run_set``), answered from memory."""
+    """What a pass judges one backend's observations against: the store's `Reads`, answered from memory
+    (a sampled baseline's run set is read once, then kept)."""
 
-    def __init__(self, store, loaded: Loaded) -> None:
+    def __init__(self, store: Reads, loaded: Loaded) -> None:
         self._store = store
         self._loaded = loaded
 
@@ -147,34 +145,3 @@ class Judging:
         if observation_id not in sets:
             sets[observation_id] = self._store.run_set(observation_id)
         return sets[observation_id]
-
-
-def latest(baselines: dict[str, Baseline]) -> Baseline | None:
-    """The most recent of several configurations' baselines (the highest observation id)."""
-    return max(baselines.values(), key=lambda b: b.observation_id, default=None)
-
-
-def latest_configuration(baselines: dict[str, Baseline]) -> str | None:
-    """The configuration of the most recent of these baselines (None: there is none)."""
-    if not baselines:
-        return None
-    return max(baselines.items(), key=lambda kv: kv[1].observation_id)[0]
-
-
-def load(s: Session, backend: str) -> tuple[Loaded, set[str]]:
-    """Every baseline and calibration of a backend (four statements), and the content keys they show."""
-    from canaryd.store.queries import _observations
-    from canaryd.store.schema import BaselineRow, CalibrationRow, ObservationRow
-    from canaryd.store.writes import request_ref
-
-    b, o, c = (t.__table__.c for t in (BaselineRow, ObservationRow, CalibrationRow))  # type: ignore[attr-defined]
-    conn = s.connection()  # Core statements: a new store compiles each once, and the ORM's cost more
-    keys = dict(conn.execute(select(b.observation_id, b.configuration).where(b.backend == backend)).all())
-    rows = conn.execute(select(ObservationRow.__table__).where(o.id.in_(list(keys)))).all()  # type: ignore[arg-type]
-    baselines, known = {}, set()
-    for row, obs in zip(rows, _observations(s, rows), strict=True):
-        baselines[(row.canary_id, keys[row.id])] = Baseline(row.id, obs, row.correct)  # type: ignore[arg-type]
-        known.update(h for h in (row.stack_hash, row.payload_hash, request_ref(row.request)) if h)
-    q = select(c.canary_id, c.configuration, c.model).where(c.backend == backend)
-    calibrations = {(cid, k): model for cid, k, model in conn.execute(q)}
-    return Loaded(baselines, calibrations), known

@@ -17,7 +17,7 @@ from pathlib import Path
 from sqlalchemy import event, inspect
 from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
-from sqlmodel import Session, create_engine
+from sqlmodel import Session, SQLModel, create_engine
 
 from canaryd.errors import InputError
 from canaryd.files import DIR_MODE, FILE_MODE
@@ -168,6 +168,26 @@ class Connected:
     def _session(self) -> Iterator[Session]:
         with Session(self.engine, expire_on_commit=False) as s:
             yield s
+
+
+def insert_of(s: Session, table: type[SQLModel]):
+    """The dialect's INSERT, which has ``on_conflict_do_nothing``/``_do_update`` (SQLite and PostgreSQL)."""
+    if s.get_bind().dialect.name == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert
+    else:
+        from sqlalchemy.dialects.sqlite import insert
+    return insert(table.__table__)  # type: ignore[attr-defined]
+
+
+def insert_ignore(s: Session, table: type[SQLModel], **values: object) -> bool:
+    """Insert a row unless its key is already there; True if this call inserted it.
+
+    ``INSERT ... ON CONFLICT DO NOTHING``: when several processes (a fleet on one PostgreSQL, or the daemon
+    and a CLI on one SQLite file) store the same content at once, one row results and nobody fails. On
+    PostgreSQL a concurrent inserter of the same key waits for the first transaction and then does nothing.
+    Core statements on the session's connection (the ORM adds nothing here but time).
+    """
+    return s.connection().execute(insert_of(s, table).values(**values).on_conflict_do_nothing()).rowcount > 0
 
 
 # -- Alembic: what autogenerate compares -----------------------------------------------------------------

@@ -17,9 +17,17 @@ from sqlalchemy import select as select_core
 from sqlmodel import Session, col, select
 
 from canaryd.observation import ErrorKind, Observation
-from canaryd.store.cache import Judging, generation, latest, latest_configuration, load
+from canaryd.store.cache import Judging, Loaded, generation
 from canaryd.store.engine import Connected
-from canaryd.store.records import Baseline, RunInfo, RunStacks, StackSeen, StoredObservation
+from canaryd.store.records import (
+    Baseline,
+    RunInfo,
+    RunStacks,
+    StackSeen,
+    StoredObservation,
+    latest,
+    latest_configuration,
+)
 from canaryd.store.schema import (
     BaselineRow,
     CalibrationRow,
@@ -91,6 +99,22 @@ def _build(row, tokens: list, stack: dict) -> Observation:
     )
 
 
+def _judged_against(s: Session, backend: str) -> tuple[Loaded, set[str]]:
+    """Every baseline and calibration of a backend (four statements), and the content keys they show."""
+    b, o, c = (t.__table__.c for t in (BaselineRow, ObservationRow, CalibrationRow))  # type: ignore[attr-defined]
+    conn = s.connection()  # Core statements: a new store compiles each once, and the ORM's cost more
+    q = select_core(b.observation_id, b.configuration).where(b.backend == backend)
+    keys = dict(conn.execute(q).all())
+    rows = conn.execute(select_core(ObservationRow.__table__).where(o.id.in_(list(keys)))).all()  # type: ignore[arg-type]
+    baselines, known = {}, set()
+    for row, obs in zip(rows, _observations(s, rows), strict=True):
+        baselines[(row.canary_id, keys[row.id])] = Baseline(row.id, obs, row.correct)  # type: ignore[arg-type]
+        known.update(h for h in (row.stack_hash, row.payload_hash, obs.request_ref) if h)
+    q = select_core(c.canary_id, c.configuration, c.model).where(c.backend == backend)
+    calibrations = {(cid, k): model for cid, k, model in conn.execute(q)}
+    return Loaded(baselines, calibrations), known
+
+
 class Queries(Connected):
     """The store's reads (a mixin of `canaryd.store.Store`)."""
 
@@ -127,7 +151,7 @@ class Queries(Connected):
             seen = generation(s.connection())
             loaded = self._cache.current(backend, seen)
             if loaded is None:
-                loaded, known = load(s, backend)
+                loaded, known = _judged_against(s, backend)
                 self._cache.learn(known)
                 self._cache.keep(backend, seen, loaded)
         return Judging(self, loaded)

@@ -4,6 +4,8 @@ The table classes (``schema.py``) are bound to a session and to the schema of th
 one could lazy-load after its session closed, or break when a column moves between tables. So every read
 returns one of the frozen records below, and the report, CLI and daemon code depend on these alone.
 
+`Reads` names the store's read interface that judging goes through, whatever answers it.
+
 The store also takes values from the judge (a comparison, a noise model, the detector's state) without
 importing ``canaryd.judge``: the Protocols below say what it reads of them, so that the dependency points
 one way (the judge may know the store's records; the store knows nothing of the judge).
@@ -77,6 +79,47 @@ class Baseline:
     observation_id: int
     observation: Observation
     correct: bool | None
+
+
+def latest(baselines: dict[str, Baseline]) -> Baseline | None:
+    """The most recent of several configurations' baselines (the highest observation id)."""
+    return max(baselines.values(), key=lambda b: b.observation_id, default=None)
+
+
+def latest_configuration(baselines: dict[str, Baseline]) -> str | None:
+    """The configuration of the most recent of these baselines (None: there is none)."""
+    if not baselines:
+        return None
+    return max(baselines.items(), key=lambda kv: kv[1].observation_id)[0]
+
+
+class Reads(Protocol):
+    """What an observation is judged against: the reads `canaryd.probe.shapes` makes, and a pass around it.
+
+    `Store` answers them from the database (``queries``), ``Store.judging`` from the memory of a pass
+    (``cache.Judging``), and a pass judging a replaced configuration narrows either to one baseline per
+    canary (``canaryd.probe.run``)."""
+
+    def baseline(self, backend: str, canary_id: str, configuration: str | None = None) -> Baseline | None:
+        """The configuration's baseline (None: the latest of any configuration)."""
+        ...
+
+    def baselines(self, backend: str, canary_id: str) -> dict[str, Baseline]:
+        """The canary's baseline under each configuration it has one for."""
+        ...
+
+    def configurations(self, backend: str) -> set[str]:
+        """The configurations any of the backend's canaries has a baseline under."""
+        ...
+
+    def calibration(self, backend: str, canary_id: str, configuration: str | None = None) -> dict | None:
+        """The configuration's noise model, ``NoiseModel.as_dict()`` (None: that of the latest baseline's
+        configuration), None if uncalibrated."""
+        ...
+
+    def run_set(self, observation_id: int) -> list[Observation]:
+        """Every observation of the same canary in the same run as this one (a sampled baseline's draws)."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,9 @@ from canaryd.canaries import Canary, Decoding, Message, Step
 from canaryd.errors import InputError
 from canaryd.judge.census import Census, summarize
 from canaryd.observation import ErrorKind, Observation, TokenLogprob
-from canaryd.probe.census import BUILTIN_FILLERS, collect, fillers_for, parse_batch_sizes
+from canaryd.probe.batching import BUILTIN_FILLERS, collect
+from canaryd.probe.census import parse_batch_sizes
+from canaryd.probe.shapes import fillers_for
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
 

@@ -13,6 +13,7 @@ from canaryd.backends import openai_compat as compat
 from canaryd.backends import openai_wire as wire
 from canaryd.canaries import load_suites
 from canaryd.config import load_config
+from canaryd.observation import canonical_digest
 from tests.unit.loopback import Loopback, chat_body
 
 SUITE = """
@@ -57,6 +58,25 @@ def test_a_canarys_request_is_built_once_and_sent_as_it_always_was(setup):
         assert server.requests[-1].body == compat.wire_body(fresh)  # the bytes the SDK sent
         path = "chat/completions" if canary.messages is not None else "completions"
         assert server.requests[-1].path.endswith(path)
+
+
+def test_both_digests_of_a_request_are_computed_once_and_carried_on_each_observation(setup, monkeypatch):
+    """The baseline key and the stored body's key are made when the request is prepared, not per probe
+    (and not by the store, which takes the observation's)."""
+    _, backend, canaries = setup
+    digested = []
+
+    def counted(doc: object) -> str:
+        digested.append(doc)
+        return canonical_digest(doc)
+
+    monkeypatch.setattr(compat, "canonical_digest", counted)
+    monkeypatch.setattr("canaryd.observation.canonical_digest", counted)
+    canary = canaries[0]
+    first, second = backend.probe(canary), backend.probe(canary)
+    assert digested == [first.request]  # once, for both probes
+    assert first.request_ref == second.request_ref == canonical_digest(backend.request(canary))
+    assert first.request_hash == second.request_hash == backend.request_hash(canary)
 
 
 def test_each_seed_of_a_sampled_canary_has_its_own_request(setup):

@@ -23,7 +23,7 @@ from canaryd.judge.sampled import (
     permutations_for,
     wilson,
 )
-from canaryd.observation import ErrorKind, Observation, TokenLogprob
+from canaryd.observation import ErrorKind, Observation, TokenLogprob, canonical_digest
 from canaryd.probe.run import Result
 from canaryd.probe.shapes import SAMPLED
 from canaryd.report.tables import results_table
@@ -303,7 +303,7 @@ def test_judge_samples_baselines_the_first_cycle_and_compares_sets_after(tmp_pat
     def cycle(observations: list[Observation]) -> list[tuple[Observation, Comparison, int | None]]:
         # sample i carries its own request (seed + i), as the sampled shape sends it
         for i, o in enumerate(observations):
-            o.request_hash, o.request = f"h{i}", {"seed": i}
+            o.request_hash, o.request, o.request_ref = f"h{i}", {"seed": i}, canonical_digest({"seed": i})
         observations[3] = Observation(
             "b", "c", "s", T0, {"seed": 3}, "h3", error="x", error_kind=ErrorKind.HTTP_5XX
         )

@@ -12,18 +12,16 @@ from datetime import UTC, datetime
 import pytest
 
 from canaryd.judge.compare import Verdict, compare, decide
+from canaryd.judge.evidence import S_FLOOR, cycle_evalue, p_to_e
 from canaryd.judge.stats import (
-    S_FLOOR,
     CalibrationError,
     DetectorState,
     NoiseModel,
     Regime,
     cusum,
-    cycle_evalue,
     fit,
     min_out_for,
     noise_floor,
-    p_to_e,
     score,
 )
 from canaryd.observation import Observation, TokenLogprob

@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 
 from canaryd.judge.compare import compare
 from canaryd.judge.stats import DetectorState
-from canaryd.observation import Observation, TokenLogprob
+from canaryd.observation import Observation, TokenLogprob, canonical_digest
 from canaryd.store import Accepted, StackSeen, Store, StoredObservation
 from canaryd.store.records import detector_start
 from canaryd.store.schema import ObservationRow
@@ -32,6 +32,37 @@ def test_round_trip_is_lossless_and_first_observation_becomes_baseline(tmp_path)
     base = stored.observation
     assert base.tokens == o.tokens and base.stack == o.stack and base.text == "42"
     assert base.tokens[0].logprob == -0.123456789012345  # float64 survives exactly
+
+
+# A request body and its key in the ``request`` table, as every database written so far holds them: the key
+# must never move, or stored observations would no longer find their requests.
+BODY = {
+    "model": "m",
+    "messages": [{"role": "user", "content": "Grüße, 東京?"}],
+    "temperature": 0.0,
+    "seed": 7,
+}
+BODY_REF = "39cd664682bf8ba9c2c8d931cc63fbef20b371ca45b78d3ed5b21d58be8a3125"
+UNSENT_REF = "44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a"  # the body ``{}``
+
+
+def test_a_request_is_stored_under_the_key_its_observation_carries(tmp_path):
+    assert canonical_digest(BODY) == BODY_REF and canonical_digest({}) == UNSENT_REF
+    made = Observation("b", "c", "s", datetime(2026, 1, 1, tzinfo=UTC), BODY, "r1", text="42")
+    assert made.request_ref == BODY_REF  # computed at construction when no prober handed it in
+    # a prober that prepared the request hands its key in with an equal body (not the same object)
+    prepared = dataclasses.replace(made, request=json.loads(json.dumps(BODY)), request_ref=BODY_REF)
+    unsent = Observation("b", "c", "s", datetime(2026, 1, 1, tzinfo=UTC), {}, "", error="not sent: x")
+    store = Store(f"sqlite:///{tmp_path}/h.db")
+    run = store.start_run("b")
+    for o in (made, prepared, unsent):
+        store.add_observation(run, o, compare(None, o, correct=True), None)
+    db = sqlite3.connect(tmp_path / "h.db")
+    assert sorted(db.execute("select hash from request")) == sorted([(BODY_REF,), (UNSENT_REF,)])
+    events = "select o.request_ref from event e join outcome o on o.id = e.outcome_id order by e.id"
+    assert [r for (r,) in db.execute(events)] == [BODY_REF, BODY_REF, UNSENT_REF]
+    assert store.baseline("b", "c").observation.request_ref == BODY_REF  # read back, the same key
+    assert store.judging("b").baseline("b", "c").observation.request_ref == BODY_REF
 
 
 def test_unchanged_payloads_and_stacks_are_stored_once(tmp_path):

@@ -7,6 +7,7 @@ two daemons of a fleet).
 
 from __future__ import annotations
 
+import inspect
 import re
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
@@ -17,7 +18,7 @@ from sqlalchemy import event
 from canaryd.judge.compare import compare
 from canaryd.judge.stats import fit
 from canaryd.observation import Observation
-from canaryd.store import Store
+from canaryd.store import Reads, Store
 from tests.unit.scripted_lab import ScriptedLab, by_id, change, scripted, verdicts
 from tests.unit.test_store_fleet import counts, make_obs
 
@@ -171,3 +172,18 @@ def test_a_calibration_by_another_process_is_used_by_the_next_pass(lab):
     assert p.returncode == 0, p.stderr
     run = lab.cycle()
     assert by_id(run)["capital"].comparison.evidence is not None  # judged with the calibrated noise
+
+
+def test_every_reader_a_pass_judges_through_is_the_named_read_interface():
+    """The database's reads, the pass's memory of them and the pooled view of a replaced configuration
+    answer the same `Reads`: each method, with the same parameters."""
+    from canaryd.probe.run import _Pooled
+    from canaryd.store.cache import Judging
+    from canaryd.store.queries import Queries
+
+    names = sorted(n for n in vars(Reads) if not n.startswith("_"))
+    assert names == ["baseline", "baselines", "calibration", "configurations", "run_set"]
+    for reader in (Queries, Judging, _Pooled):
+        for name in names:
+            wanted = inspect.signature(getattr(Reads, name)).parameters
+            assert inspect.signature(getattr(reader, name)).parameters.keys() == wanted.keys(), (reader, name)

@@ -16,8 +16,9 @@ import pytest
 
 from canaryd.daemon.metrics import Metrics
 from canaryd.judge.compare import Verdict, compare, decide
+from canaryd.judge.evidence import GUARD
 from canaryd.judge.signals import LATENCY_MIN_S, LATENCY_RATIO
-from canaryd.judge.stats import GUARD, DetectorState, NoiseModel, fit, min_out_for
+from canaryd.judge.stats import DetectorState, NoiseModel, fit, min_out_for
 from canaryd.observation import Observation
 from canaryd.probe.calibrate import calibrate
 from canaryd.report.record import build_record, to_markdown
