@@ -4,7 +4,7 @@ moving between runs). Runs on the scripted kind, no server.
 
     .venv/bin/python bench/html_report.py [--png docs/report.png]
 
-``--png`` also screenshots the demo-shaped report with headless Chromium (the README's picture).
+``--png`` also screenshots the demo-shaped report with headless Chromium (the picture in docs/record.md).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from canaryd.backends.detect import Detection
 
 _TEMPLATE = """\
-# canaryd configuration. Reference: README.md ("Configuration").
+# canaryd configuration. Reference: README.md ("Configuration") and docs/configuration.md.
 # Relative paths are resolved against this file's directory.
 
 # Top-level keys come first: in TOML, keys after a [[table]] header belong to that table.

@@ -23,7 +23,7 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 
-# Collected last: modules that need what .ci/run builds in the background (llama.cpp's server), so that the
+# Collected last: modules that need what test.sh builds in the background (llama.cpp's server), so that the
 # build overlaps the rest of the suite instead of delaying its start.
 LAST = ("tests/e2e/test_llamacpp.py",)
 

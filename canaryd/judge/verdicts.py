@@ -11,9 +11,9 @@ router found another provider) and above the quiet ones: a configuration nobody 
 
 Everything else reads this table: ``compare.py`` and ``sampled.py`` (the rules), ``report/tables.py``
 (colours), ``grafana/build_dashboard.py`` (codes, colours, the drift set), the metrics (one series per
-verdict), and the tests that hold README.md, docs/runbook.md and the alert rules to it. Adding a verdict is
-one row here plus the rule in ``compare.py`` that gives it; the tests then say which documents, alerts and
-generated files still need it.
+verdict), and the tests that hold docs/detection.md, docs/runbook.md and the alert rules to it. Adding a
+verdict is one row here plus the rule in ``compare.py`` that gives it; the tests then say which documents,
+alerts and generated files still need it.
 """
 
 from __future__ import annotations

@@ -100,7 +100,7 @@ class Run:
             "errors": len(self.steps) - len(ok),
             "system_fingerprints": sorted({s.fingerprint for s in ok if s.fingerprint is not None}),
             "stack_hashes": sorted({s.stack_hash for s in ok if s.stack_hash is not None}),
-            # the serving configurations that answered (empty: none named; see README, serving configurations)
+            # the serving configurations that answered (empty: none named; see docs/fleets.md)
             "configurations": sorted({s.configuration for s in ok if s.configuration}),
         }
 

@@ -1,6 +1,6 @@
 """Real Prometheus, Alertmanager and a webhook receiver for the end-to-end tests, on loopback ports.
 
-The binaries come from Debian's packages (installed by ``.ci/run``); a missing one fails the test.
+The binaries come from Debian's packages (installed by ``test.sh``); a missing one fails the test.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from canaryd.lab.vllm_process import free_port
 
 def need(binary: str) -> str:
     path = shutil.which(binary)
-    assert path, f"{binary} is not installed (Debian package; .ci/run installs it)"
+    assert path, f"{binary} is not installed (Debian package; ./test.sh installs it)"
     return path
 
 

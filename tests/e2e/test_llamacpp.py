@@ -65,7 +65,7 @@ timeout_s = 30
 
 
 def wait_for_build() -> None:
-    """Wait while tests/engines/build_llama_server.sh holds its lock: .ci/run builds the server in the
+    """Wait while tests/engines/build_llama_server.sh holds its lock: test.sh builds the server in the
     background, and this module is collected last (tests/conftest.py) so that the build overlaps the rest."""
     lock_path = BUILT.with_name(BUILT.name + ".lock")
     if not lock_path.exists():
@@ -85,7 +85,7 @@ class LlamaLab(Lab):
     @contextmanager
     def serve(self, gguf: Path):
         """llama-server on the lab's port serving ``gguf`` through the ``serving`` symlink."""
-        assert SERVER.is_file(), f"{SERVER} missing: run tests/engines/build_llama_server.sh"
+        assert SERVER.is_file(), f"{SERVER} missing: run ./test.sh (or tests/engines/build_llama_server.sh)"
         self.serving.unlink(missing_ok=True)
         self.serving.symlink_to(gguf)
         argv = [str(SERVER), "-m", str(self.serving), "--alias", "tiny", "--host", "127.0.0.1"]

@@ -23,7 +23,7 @@ FLAGS=(
 STAMP="llama-cpp-python==$VERSION ${FLAGS[*]}"
 BIN=$DEST/bin/llama-server
 
-# One build at a time, and the e2e tests wait on this lock while a build runs (.ci/run starts it in the
+# One build at a time, and the e2e tests wait on this lock while a build runs (test.sh starts it in the
 # background, so the compile overlaps the rest of the suite).
 mkdir -p "$(dirname "$DEST")"
 exec 9>"$DEST.lock"

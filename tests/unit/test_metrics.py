@@ -146,7 +146,7 @@ def _busy_metrics() -> Metrics:
 
 
 def test_at_most_four_series_per_canary_and_backend():
-    """What the README states: 4 series per canary × backend at most, the rest per backend."""
+    """What docs/daemon.md states: 4 series per canary × backend at most, the rest per backend."""
     pairs = (40 + 1) * 3
     m = _busy_metrics()
     body, _ = m.exposition()

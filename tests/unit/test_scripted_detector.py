@@ -1,5 +1,6 @@
 """The detector fold through the scripted kind: calibration, then cycles whose verdicts the backend's
-detector settles (README "Telling noise from change", canaryd/judge/stats.py), its state in the store.
+detector settles (docs/detection.md, "Telling noise from change"; canaryd/judge/stats.py), its state in the
+store.
 
 With ``noise`` the scripted engine is non-exact: every probe's logprobs differ a little, so calibration
 finds a continuous noise floor and a lone canary beyond it is held as ``within-noise`` until enough

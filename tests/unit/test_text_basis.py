@@ -3,7 +3,8 @@
 A backend that answers without logprobs (``logprobs = false``: Anthropic's or Gemini's OpenAI-compatible
 endpoints, most OpenRouter providers) still forms a baseline and is judged on what it has: the text,
 usage (prompt, completion and reasoning tokens), fingerprint and stack, and with a calibration the spread
-of reasoning tokens and latency. Every verdict names its basis (README "Judging without logprobs").
+of reasoning tokens and latency. Every verdict names its basis (docs/detection.md, "Judging without
+logprobs").
 """
 
 from __future__ import annotations

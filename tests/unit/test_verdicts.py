@@ -1,5 +1,5 @@
 """The verdict table (``canaryd.judge.verdicts``): complete, ordered as ``compare()`` and the record decide,
-and what README.md, docs/runbook.md and grafana/README.md say about it.
+and what docs/detection.md, docs/runbook.md and grafana/README.md say about it.
 
 A row without a colour or a meaning does not even import (``Verdict.__new__`` takes every column); the
 checks here catch empty or invalid ones, and documents that fell behind the table.
@@ -171,8 +171,8 @@ def test_within_noise_ranks_below_stack_change_and_above_identical() -> None:
 # -- the documents ---------------------------------------------------------------------------------------
 
 
-def test_readme_verdict_table_matches() -> None:
-    lines = (REPO / "README.md").read_text().splitlines()
+def test_docs_verdict_table_matches() -> None:
+    lines = (REPO / "docs" / "detection.md").read_text().splitlines()
     start = lines.index("| verdict | drift | meaning |")
     rows = []
     for line in lines[start + 2 :]:
@@ -182,8 +182,8 @@ def test_readme_verdict_table_matches() -> None:
         rows.append((cells[0], cells[1], cells[2]))
     expected = [(f"`{v.value}`", "yes" if v.is_drift else "no") for v in Verdict]
     assert [(name, drift) for name, drift, _ in rows] == expected, (
-        "README.md's verdict table must list every verdict, most severe first, with its drift flag, as "
-        "canaryd/judge/verdicts.py does"
+        "docs/detection.md's verdict table must list every verdict, most severe first, with its drift flag, "
+        "as canaryd/judge/verdicts.py does"
     )
     assert all(meaning for _, _, meaning in rows)
 
