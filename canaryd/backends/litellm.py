@@ -34,7 +34,8 @@ EXAMPLE = """\
 # api_key_env = "LITELLM_KEY"   # a virtual key (or the master key) allowed to read /v1/model/info
 """
 ENGINE_VERSION_FIELD = "gateway.version"
-# Request parameters canaryd may send (openai_request.request_body), whose silent loss changes what is measured.
+# Request parameters canaryd may send (openai_request.request_body), whose silent loss changes what is
+# measured.
 SENT_PARAMS = ("logprobs", "top_logprobs", "seed", "temperature", "top_p", "max_tokens", "n", "stop")
 # Deployment settings that decide what reaches the upstream; recorded by name, nothing else is.
 _RECORDED = ("model", "api_base", "drop_params", "additional_drop_params", "api_version", "region_name")
