@@ -26,7 +26,7 @@ from itertools import pairwise
 from pathlib import Path
 
 from canaryd import __version__
-from canaryd.backends import REVERT_FIRST
+from canaryd.backends import revert_first
 from canaryd.errors import InputError
 from canaryd.files import write_private
 from canaryd.judge.compare import token_delta
@@ -357,7 +357,7 @@ def stack_section(runs: Sequence[LoadedRun]) -> str:
         out.append(f"<h3>run {a.run.run_id} → run {b.run.run_id}: {len(changes)} field(s)</h3>")
         if changes:
             rows = "".join(
-                f'<tr class="{"cause" if revert_rank(c.field) < len(REVERT_FIRST) else "derived"}" '
+                f'<tr class="{"cause" if revert_rank(c.field) < len(revert_first()) else "derived"}" '
                 f'data-field="{e(c.field)}"><td><code>{e(c.field)}</code></td><td>{e(c.before)}</td>'
                 f"<td>{e(c.after)}</td></tr>"
                 for c in changes

@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 from itertools import pairwise
 
 from canaryd import __version__
-from canaryd.backends import REVERT_FIRST, REVERT_LAST
+from canaryd.backends import REVERT_LAST, revert_first
 from canaryd.errors import InputError
 from canaryd.judge.compare import Verdict, basis_of, text_delta, token_delta
 from canaryd.observation import Observation
@@ -53,11 +53,12 @@ def last_flip(verdicts: Iterable[tuple[int, str]]) -> tuple[int, int] | None:
 
 def revert_rank(field: str) -> int:
     head = next((s for s in field.split(".") if s != "host"), "")
-    if head in REVERT_FIRST:
-        return REVERT_FIRST.index(head)
+    first = revert_first()
+    if head in first:
+        return first.index(head)
     if head in REVERT_LAST:
-        return len(REVERT_FIRST) + 1 + REVERT_LAST.index(head)
-    return len(REVERT_FIRST)  # unknown families: after the settings, before the derived fields
+        return len(first) + 1 + REVERT_LAST.index(head)
+    return len(first)  # unknown families: after the settings, before the derived fields
 
 
 def _shown(v: str | None) -> str:
