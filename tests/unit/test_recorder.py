@@ -15,11 +15,14 @@ import json
 from pathlib import Path
 
 import structlog
+from rich.console import Console
 
 from canaryd import stack
 from canaryd.backends import engine_args, hostfacts, llamacpp, ollama, openai_compat, sglang, tgi
 from canaryd.backends import openai_wire as wire
 from canaryd.backends.openai_headers import GATEWAY_HEADERS, RECORDED_HEADERS
+from canaryd.report.console import show_stacks
+from canaryd.report.html import load_run, stack_section
 from canaryd.report.pin import Pin, PinnedBackend, check_pin
 from canaryd.report.record import build_record, to_markdown
 from canaryd.stack import RECORDER, RECORDER_FIELD, FieldChange, split
@@ -200,3 +203,18 @@ def test_a_server_change_in_the_same_pass_is_still_a_stack_change(make, monkeypa
             "engine.bos_token_id",
         ]
         assert r.comparison.reasons == ("stack changed (1 field)",)
+
+
+def test_the_stack_views_grey_what_canaryd_records_differently(make, monkeypatch):
+    lab, run, _ = upgraded(make, monkeypatch, {"engine.dtype": "bfloat16", "engine.bos_token_id": "1"})
+    html = stack_section([load_run(lab.store, run.run_id - 1), load_run(lab.store, run.run_id)])
+    assert '<tr class="recording" data-field="engine.api_key_env">' in html
+    assert '<tr class="cause" data-field="engine.dtype">' in html
+    assert "one field changed: engine.dtype from float32 to bfloat16" in html  # the only one to revert
+    console = Console(record=True, width=200)
+    show_stacks(lab.store.stacks("fake"), False, console)
+    lines = console.export_text().splitlines()
+    assert (
+        "  engine.api_key_env: LLAMA_KEY -> None (recorded differently by canaryd, not the server)" in lines
+    )
+    assert "  engine.dtype: float32 -> bfloat16" in lines
