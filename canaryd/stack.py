@@ -53,13 +53,23 @@ def split(before: dict[str, str], after: dict[str, str]) -> tuple[list[FieldChan
 
     Between stacks recorded under different versions of canaryd's rules (an upgrade, or fleet members of
     two versions), a field present on one side only was added, dropped or renamed by canaryd, not by the
-    server: a recording change, never a stack change. A value that moved on a field both sides record is
-    a stack change whatever the versions."""
+    server: a recording change, never a stack change; so is a JSON value only spelled anew (``"\\u00e9"``
+    and ``"é"``). A value that moved on a field both sides record is a stack change whatever the versions."""
     changes = diff(before, after)
     if before.get(RECORDER_FIELD, "1") == after.get(RECORDER_FIELD, "1"):
         return changes, []
-    recorded = [c for c in changes if None in (c.before, c.after) or c.field == RECORDER_FIELD]
+    recorded = [c for c in changes if c.field == RECORDER_FIELD or _respelled(c.before, c.after)]
     return [c for c in changes if c not in recorded], recorded
+
+
+def _respelled(before: str | None, after: str | None) -> bool:
+    """One side absent, or two spellings of one JSON value."""
+    if before is None or after is None:
+        return True
+    try:
+        return json.loads(before) == json.loads(after)
+    except ValueError:
+        return False
 
 
 def merge_stacks(stacks: Iterable[dict[str, str]]) -> dict[str, str]:

@@ -132,6 +132,16 @@ def test_a_value_both_sides_record_is_a_stack_change_whatever_the_versions():
     assert [c.field for c in recorded] == [RECORDER_FIELD, "engine.api_key_env", "engine.bos_token_id"]
 
 
+def test_a_json_value_spelled_anew_is_a_recording_change_across_versions():
+    escaped, plain = '["\\u00e9"]', '["é"]'
+    before, after = {**OLD, "engine.stop": escaped}, {**NEW, "engine.stop": plain}
+    assert "engine.stop" in [c.field for c in split(before, after)[1]]
+    same = split(stack.stamped({"engine.stop": escaped}), stack.stamped({"engine.stop": plain}))
+    assert same == ([FieldChange("engine.stop", escaped, plain)], [])  # one version: the server's
+    moved = split({**OLD, "engine.stop": '["a"]'}, {**NEW, "engine.stop": '["b"]'})[0]
+    assert moved == [FieldChange("engine.stop", '["a"]', '["b"]')]
+
+
 def test_under_one_version_every_difference_is_the_servers():
     after = {**NEW, "engine.max_tokens": "8"}
     assert split(NEW, after) == ([FieldChange("engine.max_tokens", None, "8")], [])
