@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from canaryd import log  # noqa: E402
-from canaryd.backends import make_backend  # noqa: E402
+from canaryd.backends import make_backend, openai_request  # noqa: E402
 from canaryd.backends import openai_compat as compat  # noqa: E402
 from canaryd.backends import openai_wire as wire  # noqa: E402
 from canaryd.canaries import load_suites  # noqa: E402
@@ -210,8 +210,8 @@ def measure(config, args) -> dict:
     comparison = compare(base.observation, obs, correct=None, baseline_correct=base.correct)
 
     def request_before() -> None:
-        body = {**wire.request_body(prober.cfg.model, canary), **prober.extra_params(canary)}
-        wire.request_hash(body)
+        body = {**openai_request.request_body(prober.cfg.model, canary), **prober.extra_params(canary)}
+        openai_request.request_hash(body)
         prober.exchange("POST", chat_url, content=compat.wire_body(body), headers=compat.JSON)
 
     def parse() -> None:

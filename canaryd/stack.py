@@ -35,6 +35,43 @@ def diff(before: dict[str, str], after: dict[str, str]) -> list[FieldChange]:
     return [FieldChange(k, before.get(k), after.get(k)) for k in keys if before.get(k) != after.get(k)]
 
 
+# What canaryd itself records in a stack has a version, stamped on every snapshot (`stamped`): bump
+# RECORDER whenever a kind, the host facts or the secret rule (`hostfacts.is_secret_name`) starts or stops
+# recording a field, or renames one. tests/unit/test_recorder.py keeps each version's digest of the fields
+# recorded from the recorded bodies, and fails until the bump. Stacks stored before the stamp are "1".
+RECORDER_FIELD = "canaryd.recorder"
+RECORDER = "2"
+
+
+def stamped(fields: dict[str, str]) -> dict[str, str]:
+    """A kind's snapshot with the version of canaryd's recording rules it was taken under."""
+    return {**fields, RECORDER_FIELD: RECORDER}
+
+
+def split(before: dict[str, str], after: dict[str, str]) -> tuple[list[FieldChange], list[FieldChange]]:
+    """`diff`, split into (what the serving side changed, what canaryd records differently).
+
+    Between stacks recorded under different versions of canaryd's rules (an upgrade, or fleet members of
+    two versions), a field present on one side only was added, dropped or renamed by canaryd, not by the
+    server: a recording change, never a stack change; so is a JSON value only spelled anew (``"\\u00e9"``
+    and ``"é"``). A value that moved on a field both sides record is a stack change whatever the versions."""
+    changes = diff(before, after)
+    if before.get(RECORDER_FIELD, "1") == after.get(RECORDER_FIELD, "1"):
+        return changes, []
+    recorded = [c for c in changes if c.field == RECORDER_FIELD or _respelled(c.before, c.after)]
+    return [c for c in changes if c not in recorded], recorded
+
+
+def _respelled(before: str | None, after: str | None) -> bool:
+    """One side absent, or two spellings of one JSON value."""
+    if before is None or after is None:
+        return True
+    try:
+        return json.loads(before) == json.loads(after)
+    except ValueError:
+        return False
+
+
 def merge_stacks(stacks: Iterable[dict[str, str]]) -> dict[str, str]:
     """One stack for many observations of a backend: a field seen with several values keeps them all.
 

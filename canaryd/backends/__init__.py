@@ -3,7 +3,8 @@
 A kind module defines ``Settings`` (its ``[[backends]]`` block: a `base.BackendSettings` subclass with
 ``kind: Literal["<name>"]``) and ``Prober`` (the `base.Prober` built from those settings), and may define
 ``EXAMPLE`` (a commented config block `canaryd init` writes) and ``ENGINE_VERSION_FIELD`` (the stack field
-the metrics show as the engine version). The config file validates ``backends`` against the union of the
+the metrics show as the engine version; its family, ``<family>.version``, ranks among the engine builds in
+`explain`'s revert order, `revert_first`). The config file validates ``backends`` against the union of the
 registered ``Settings``; `make_backend` wraps every ``Prober`` in the same resilience.
 
 Adding a kind is one module and one line here; the ``scripted`` kind (a fake for tests and alert drills)
@@ -21,7 +22,6 @@ from canaryd.backends.base import Backend, BackendSettings, BackendUnavailable, 
 
 __all__ = [
     "KINDS",
-    "REVERT_FIRST",
     "REVERT_LAST",
     "Backend",
     "BackendSettings",
@@ -31,6 +31,7 @@ __all__ = [
     "engine_version",
     "examples",
     "make_backend",
+    "revert_first",
     "settings_of",
     "settings_types",
 ]
@@ -51,23 +52,10 @@ KINDS: dict[str, str] = {
 # Stack field families (the first dotted part, ``host.`` skipped) in the order `explain` suggests
 # reverting them: causes before consequences. Settings cheapest to put back first (``engine.*``: every
 # kind's launch arguments, under one family, whatever the engine), then environment and cache config, then
-# engine builds (``<kind>.version``), weights (``model.*``), tokenizer and hardware; what a server or a
-# gateway reports about itself comes last.
-REVERT_FIRST = (
-    "engine",
-    "env",
-    "metrics",
-    "vllm",
-    "llamacpp",
-    "sglang",
-    "tgi",
-    "ollama",
-    "packages",
-    "torch",
-    "python",
-    "models",
-    "model",
-)
+# engine builds (each kind's own family, `revert_first`), weights (``model.*``), tokenizer and hardware;
+# what a server or a gateway reports about itself comes last.
+_SETTINGS = ("engine", "env", "metrics")
+_BUILDS = ("packages", "torch", "python", "models", "model")
 REVERT_LAST = ("template", "gpu", "cpu", "os", "request", "backend", "gateway", "header", "response")
 
 
@@ -103,3 +91,12 @@ def engine_version(kind: str, stack: dict[str, str]) -> str:
     """The engine version a stack names, by the kind's own field ("" when the kind has none)."""
     field = getattr(_module(kind), "ENGINE_VERSION_FIELD", None) if kind in KINDS else None
     return stack.get(field, "") if field else ""
+
+
+def revert_first() -> tuple[str, ...]:
+    """The families `explain` suggests reverting first, in order: the settings, each kind's own family (the
+    head of its ``ENGINE_VERSION_FIELD``, in registry order), the builds and the weights. A kind registered
+    with a version field has its fields ranked, with nothing else to list."""
+    ranked = {*_SETTINGS, *_BUILDS, *REVERT_LAST}
+    kinds = (getattr(_module(k), "ENGINE_VERSION_FIELD", "").partition(".")[0] for k in KINDS)
+    return (*_SETTINGS, *dict.fromkeys(f for f in kinds if f and f not in ranked), *_BUILDS)

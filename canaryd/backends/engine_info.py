@@ -4,25 +4,17 @@ into flat stack fields without ever raising, and the canonical form of the value
 Every engine reports its launch arguments its own way (SGLang's server args, TGI's ``/info``, Ollama's
 Modelfile parameters); all of them land in the one ``engine.*`` family, so that `explain` ranks a changed
 argument before the sizes and answers it moved. Values are strings: JSON spelling for booleans, null and
-containers, so ``true`` and ``"true"`` never look alike. A field whose name says it holds a credential is
-never recorded, whatever its value.
+containers, so ``true`` and ``"true"`` never look alike. A field whose name says it holds a credential
+(`hostfacts.is_secret_name`, the one rule) is never recorded, whatever its value.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
 from typing import Any
 
-# A last word that marks a credential (``api_key``, ``admin_api_key``, ``hf_token``), not
-# ``max_total_tokens``, ``tokenizer_path`` or ``bos_token_id``.
-_SECRET = re.compile(r"(?:^|[_.-])(?:key|token|secret|password|passwd|credentials?)$", re.I)
-
-
-def is_secret(name: str) -> bool:
-    """Whether a field name says it holds a credential (such a field is never stored)."""
-    return bool(_SECRET.search(name))
+from canaryd.backends.hostfacts import is_secret_name
 
 
 def text(value: Any) -> str:
@@ -39,10 +31,23 @@ def flatten(
     maps a key to a whole field name of its own."""
     out: dict[str, str] = {}
     for key, value in doc.items():
-        if value is None or key in skip or is_secret(key):
+        if value is None or key in skip or is_secret_name(key):
             continue
         out[(rename or {}).get(key, f"{prefix}.{key}")] = text(value)
     return out
+
+
+def nested(prefix: str, value: Any) -> dict[str, str]:
+    """Nested objects as dotted fields (credentials left out, at any depth); lists and scalars as one
+    value each."""
+    if not isinstance(value, dict):
+        return {prefix: text(value)}
+    return {
+        k: v
+        for key, sub in value.items()
+        if not is_secret_name(str(key))
+        for k, v in nested(f"{prefix}.{key}", sub).items()
+    }
 
 
 def section(name: str, read: Callable[[], dict[str, str]]) -> dict[str, str]:
@@ -54,7 +59,7 @@ def section(name: str, read: Callable[[], dict[str, str]]) -> dict[str, str]:
         return read()
     except HTTPStatusError as e:
         return {f"{name}.error": f"HTTP {e.response.status_code}"}
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
         return {f"{name}.error": f"unreadable: {e.__class__.__name__}"}
 
 

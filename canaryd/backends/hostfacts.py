@@ -63,9 +63,26 @@ _ENV_NAMES = {
 }
 # Never numerics, and toggled for debugging: recording them would report a stack change.
 _ENV_IGNORED = re.compile(r"^VLLM_(LOGGING_\w+|CONFIGURE_LOGGING)$")
-_SECRET_WORDS = {"KEY", "APIKEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "CREDENTIALS"}
-# vLLM tuning knobs that merely contain a secret-looking word.
-_NOT_SECRETS = {"VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD", "VLLM_MULTI_STREAM_GEMM_TOKEN_THRESHOLD"}
+# The secret-name rule (`is_secret_name`): words that mean a credential wherever they stand,
+_SECRET_WORDS = {
+    "SECRET",
+    "SECRETS",
+    "PASSWORD",
+    "PASSWORDS",
+    "PASSWD",
+    "PASSPHRASE",
+    "CREDENTIAL",
+    "CREDENTIALS",
+    "APIKEY",
+    "APIKEYS",
+    "KEYFILE",
+}
+# words that mean one only as the name's subject (an attention key, a tokenizer's token otherwise),
+_SUBJECT_WORDS = {"KEY", "KEYS", "TOKEN"}
+# the words that may follow a subject and still name the credential, or where it is kept,
+_WHERE_WORDS = {"FILE", "PATH", "DIR", "ENV", "VAR", "NAME", "ID"}
+# and the tokenizer's words before ``token`` (``bos_token``, ``timings_per_token``, ``next_token``).
+_TOKENIZER_WORDS = {"BOS", "EOS", "PAD", "UNK", "SEP", "CLS", "MASK", "PER", "FIRST", "NEXT", "DECODED"}
 # Files in a model directory that decide what the model computes or how text is tokenized.
 _MODEL_SUFFIXES = {
     ".safetensors",
@@ -84,10 +101,36 @@ _TIMEOUT_S = 10.0
 
 
 def is_secret_name(name: str) -> bool:
-    """True for environment names that may hold a credential (a word KEY, TOKEN, SECRET, PASSWORD …)."""
-    if name in _NOT_SECRETS:
-        return False
-    return bool(_SECRET_WORDS & set(re.split(r"[^A-Z0-9]+", name.upper())))
+    """Whether a name (an environment variable, a launch argument, a key of an engine's JSON) may hold a
+    credential: such a value is never recorded. The one rule of canaryd, over the name's words (split at
+    ``_ . -``, spaces and camelCase):
+
+    - ``secret``, ``password``, ``passwd``, ``passphrase``, ``credential(s)``, ``apikey``, ``keyfile``
+      anywhere: ``VLLM_S3_SECRET_ACCESS``, ``OPENAI_APIKEY``, ``ssl_keyfile``;
+    - ``key``, ``keys`` or ``token`` as the subject: the last word, or followed only by words that say
+      where the credential is kept or which one it is (``file``, ``path``, ``dir``, ``env``, ``var``,
+      ``name``, ``id``): ``api_key``, ``HF_TOKEN``, ``api_key_env``, ``token_path``, ``access_key_id``;
+      ``token`` after a tokenizer word (``bos_token``, ``timings_per_token``) is the tokenizer's.
+
+    A name that says *where* a secret lives (``api_key_env``, ``password_file``, ``token_path``,
+    ``secret_name``) is dropped too: it is no numerics fact, a path can name a user, and a misused
+    argument may carry the secret itself; a dropped field costs one unwatched setting, a kept secret
+    leaks into every store and export. ``key`` and ``token`` anywhere else modify another word: an
+    attention ``key_length``, tokenizer fields (``bos_token_id``, ``token_type``, ``speculative_token_map``,
+    ``…_TOKEN_THRESHOLD``), never a credential. Plurals of ``token`` are counts (``max_tokens``).
+    """
+    words = re.split(r"[^A-Z0-9]+", re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name).upper())
+    words = [w for w in words if w]
+    for i, word in enumerate(words):
+        if word in _SECRET_WORDS:
+            return True
+        if (
+            word in _SUBJECT_WORDS
+            and all(w in _WHERE_WORDS for w in words[i + 1 :])
+            and not (word == "TOKEN" and i and words[i - 1] in _TOKENIZER_WORDS)
+        ):
+            return True
+    return False
 
 
 def _guard(section: str, fn, *args, **kwargs) -> dict[str, str]:

@@ -3,7 +3,7 @@
 The proxy rewrites ``model`` in every answer to the name the client asked for, so the answer alone says
 nothing about the upstream. What it does say: each response's ``x-litellm-*`` headers name the deployment
 that served it (its id, the upstream model and API base, the proxy's version), recorded per response as
-``gateway.*`` (`openai_wire.GATEWAY_HEADERS`), and ``/v1/model/info`` lists the model group's deployments
+``gateway.*`` (`openai_headers.GATEWAY_HEADERS`), and ``/v1/model/info`` lists the model group's deployments
 with their settings, in the snapshot as ``gateway.deployment.<id>.*`` (never a credential: LiteLLM strips
 ``api_key`` from that listing, and canaryd records only the named keys below).
 
@@ -20,8 +20,8 @@ from __future__ import annotations
 from typing import Literal
 
 from canaryd.backends import openai_compat
-from canaryd.backends import openai_wire as wire
 from canaryd.backends.base import HttpSettings, log
+from canaryd.backends.hostfacts import redact_url
 
 EXAMPLE = """\
 # A LiteLLM proxy: canaryd records which deployment served each answer (x-litellm-* headers) and the
@@ -34,7 +34,8 @@ EXAMPLE = """\
 # api_key_env = "LITELLM_KEY"   # a virtual key (or the master key) allowed to read /v1/model/info
 """
 ENGINE_VERSION_FIELD = "gateway.version"
-# Request parameters canaryd may send (openai_wire.request_body), whose silent loss changes what is measured.
+# Request parameters canaryd may send (openai_request.request_body), whose silent loss changes what is
+# measured.
 SENT_PARAMS = ("logprobs", "top_logprobs", "seed", "temperature", "top_p", "max_tokens", "n", "stop")
 # Deployment settings that decide what reaches the upstream; recorded by name, nothing else is.
 _RECORDED = ("model", "api_base", "drop_params", "additional_drop_params", "api_version", "region_name")
@@ -67,7 +68,7 @@ def deployment_fields(model_info: dict, group: str) -> dict[str, str]:
             if params.get(key) not in (None, "", []):
                 value = params[key]
                 value = ",".join(sorted(map(str, value))) if isinstance(value, list) else str(value)
-                out[f"gateway.deployment.{dep}.{key}"] = wire.redact_url(value)
+                out[f"gateway.deployment.{dep}.{key}"] = redact_url(value)
         if info.get("litellm_provider"):
             out[f"gateway.deployment.{dep}.provider"] = str(info["litellm_provider"])
         drops = dropped_params(params, info.get("supported_openai_params"))

@@ -21,13 +21,12 @@ caching, which the README says can change logits (prompt processing and generati
 from __future__ import annotations
 
 import hashlib
-import json
 import re
-from collections.abc import Callable
-from typing import Any, Literal
+from typing import Literal
 
 from canaryd.backends import openai_compat
 from canaryd.backends.base import BackendUnavailable, HttpSettings
+from canaryd.backends.engine_info import nested, section
 from canaryd.canaries import Canary
 from canaryd.observation import ErrorKind
 
@@ -72,18 +71,6 @@ class Settings(HttpSettings):
     kind: Literal["llamacpp"] = "llamacpp"
 
 
-def _text(value: Any) -> str:
-    """A field value: strings as they are, everything else as compact, key-sorted JSON."""
-    return value if isinstance(value, str) else json.dumps(value, sort_keys=True, separators=(",", ":"))
-
-
-def _flat(prefix: str, value: Any) -> dict[str, str]:
-    """Nested objects as dotted fields; lists and scalars as one value each."""
-    if isinstance(value, dict):
-        return {k: v for key, sub in value.items() for k, v in _flat(f"{prefix}.{key}", sub).items()}
-    return {prefix: _text(value)}
-
-
 def sha16(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -100,21 +87,20 @@ def props_fields(props: dict) -> dict[str, str]:
     out["model.path"] = str(props.get("model_path"))
     out["model.alias"] = str(props.get("model_alias"))
     out["model.ftype"] = str(props.get("model_ftype"))  # absent before llama.cpp reported it: "None"
-    out.update(_flat("model.modalities", props.get("modalities") or {}))
+    out.update(nested("model.modalities", props.get("modalities") or {}))
     template = props.get("chat_template")
     out["template.sha256"] = sha16(template) if isinstance(template, str) else "None"
     if isinstance(props.get("chat_template_tool_use"), str):
         out["template.tool_use_sha256"] = sha16(props["chat_template_tool_use"])
-    out.update(_flat("template.caps", props.get("chat_template_caps") or {}))
+    out.update(nested("template.caps", props.get("chat_template_caps") or {}))
     out["template.bos_token"] = str(props.get("bos_token"))
     out["template.eos_token"] = str(props.get("eos_token"))
     settings = props.get("default_generation_settings") or {}
     out["engine.n_ctx"] = str(settings.get("n_ctx"))
-    out.update(_flat("engine", settings.get("params") or {}))
+    out.update(nested("engine", settings.get("params") or {}))
     # Everything else /props says (total_slots, endpoint_*, ui, ...) is a server setting.
-    for key, value in props.items():
-        if key not in _PROPS_READ and key not in _PROPS_SKIPPED:
-            out.update(_flat(f"engine.{key}", value))
+    rest = {k: v for k, v in props.items() if k not in _PROPS_READ and k not in _PROPS_SKIPPED}
+    out.update(nested("engine", rest))
     return out
 
 
@@ -124,24 +110,12 @@ def models_fields(models: dict, served: str) -> dict[str, str]:
     card = next((c for c in cards if c.get("id") == served), cards[0] if len(cards) == 1 else None)
     if card is None:
         return {"model.error": f"no model {served!r} in /v1/models"}
-    return {k: v for k, v in _flat("model", card.get("meta") or {}).items() if k != "model.ftype"}
+    return {k: v for k, v in nested("model", card.get("meta") or {}).items() if k != "model.ftype"}
 
 
 def metrics_fields(text: str) -> dict[str, str]:
     """Which series ``/metrics`` exposes (their values are counters and gauges, never a stack fact)."""
     return {"metrics.series": ",".join(sorted(set(_METRIC_TYPE.findall(text))))}
-
-
-def _section(name: str, read: Callable[[], dict[str, str]]) -> dict[str, str]:
-    """One introspection endpoint; an HTTP error or an unreadable body is a field (a change too)."""
-    from httpx2 import HTTPStatusError
-
-    try:
-        return read()
-    except HTTPStatusError as e:
-        return {f"{name}.error": f"HTTP {e.response.status_code}"}
-    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
-        return {f"{name}.error": f"unreadable: {e.__class__.__name__}"}
 
 
 class Prober(openai_compat.Prober):
@@ -168,13 +142,13 @@ class Prober(openai_compat.Prober):
                 ErrorKind.HTTP_5XX if e.response.status_code >= 500 else ErrorKind.HTTP_4XX,
                 f"{self.root}/health: HTTP {e.response.status_code}, the server is not ready",
             ) from None
-        props: dict[str, str] = _section("llamacpp", lambda: props_fields(self._get("/props")))
+        props: dict[str, str] = section("llamacpp", lambda: props_fields(self._get("/props")))
         fields.update(props)
-        fields.update(_section("model", lambda: models_fields(self._get("/v1/models"), self.cfg.model)))
-        fields.update(_section("template", self._rendered))
+        fields.update(section("model", lambda: models_fields(self._get("/v1/models"), self.cfg.model)))
+        fields.update(section("template", self._rendered))
         if props.get("engine.endpoint_metrics") == "true":
             fields.update(
-                _section("metrics", lambda: metrics_fields(self.call("GET", f"{self.root}/metrics").text))
+                section("metrics", lambda: metrics_fields(self.call("GET", f"{self.root}/metrics").text))
             )
         return fields
 
@@ -183,9 +157,6 @@ class Prober(openai_compat.Prober):
         if not isinstance(body, dict):
             raise TypeError(path)
         return body
-
-    def _metrics(self) -> dict[str, str]:
-        return metrics_fields(self.call("GET", f"{self.root}/metrics").text)
 
     def _rendered(self) -> dict[str, str]:
         r = self.call("POST", f"{self.root}/apply-template", json={"messages": TEMPLATE_PROBE}).json()

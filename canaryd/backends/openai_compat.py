@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from canaryd import __version__
+from canaryd.backends import openai_headers, refusals
 from canaryd.backends import openai_wire as wire
-from canaryd.backends import refusals
 from canaryd.backends.base import BackendUnavailable, HttpSettings, log
+from canaryd.backends.openai_request import SDK_PARAMS, request_body, request_hash
 from canaryd.backends.profile import DEFAULT, RequestProfile
 from canaryd.canaries import Canary
 from canaryd.lazy import lazy_import
@@ -115,8 +116,8 @@ class Prober:
             fields["response.service_tier"] = r.service_tier
         if r.provider is not None:
             fields["response.provider"] = r.provider
-        fields.update({f"header.{h}": headers[h] for h in wire.IDENTITY_HEADERS if h in headers})
-        fields.update(wire.gateway_fields(headers))
+        fields.update({f"header.{h}": headers[h] for h in openai_headers.IDENTITY_HEADERS if h in headers})
+        fields.update(openai_headers.gateway_fields(headers))
         return fields
 
     def gateway_logprobs(self, obs: Observation, r: wire.Parsed, asked: bool) -> None:
@@ -151,7 +152,7 @@ class Prober:
 
     def body(self, canary: Canary, profile: RequestProfile) -> dict:
         """The body for ``canary`` under ``profile``, before the profile's ``extra_body``."""
-        return {**wire.request_body(self.cfg.model, canary, profile), **self.extra_params(canary)}
+        return {**request_body(self.cfg.model, canary, profile), **self.extra_params(canary)}
 
     def route(self, canary: Canary) -> tuple[str, Callable[[Any], wire.Parsed]]:
         """Where the canary's request goes, and the parser of the answer."""
@@ -171,7 +172,7 @@ class Prober:
         if hit is None:
             body = {**self.body(canary, self.profile), **self.profile.extra_body}
             canonical = body if self.profile == DEFAULT else self.body(canary, DEFAULT)
-            digests = wire.request_hash(canonical), canonical_digest(body)
+            digests = request_hash(canonical), canonical_digest(body)
             hit = Prepared(body, *digests, wire_body(body), *self.route(canary))
             if len(self._requests) >= PREPARED_MAX:
                 self._requests.clear()
@@ -187,7 +188,7 @@ class Prober:
         try:
             reply = self.exchange("POST", req.url, content=req.content, headers=JSON)
             obs.latency_s = time.perf_counter() - t0
-            obs.headers = wire.kept_headers(reply.headers.items())
+            obs.headers = openai_headers.kept_headers(reply.headers.items())
             if not 200 <= reply.status < 300:
                 obs.error_kind, message = refusals.classify(reply.status, reply.text, self.name)
                 obs.error = storable(self.redact(message))
@@ -272,8 +273,8 @@ def wire_body(body: dict) -> bytes:
     stopped using it): the model and the messages or prompt first, then the SDK's own parameters in
     alphabetical order, then the rest (``extra_body``) in the order given; compact UTF-8 JSON."""
     first = [k for k in ("model", "messages", "prompt", "input") if k in body]
-    sdk = sorted(k for k in body if k in wire.SDK_PARAMS and k not in first)
-    extra = [k for k in body if k not in wire.SDK_PARAMS]
+    sdk = sorted(k for k in body if k in SDK_PARAMS and k not in first)
+    extra = [k for k in body if k not in SDK_PARAMS]
     ordered = {k: body[k] for k in (*first, *sdk, *extra)}
     return json.dumps(ordered, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")
 

@@ -17,6 +17,7 @@ from typing import Any, Literal
 from canaryd.backends import openai_compat
 from canaryd.backends import openai_wire as wire
 from canaryd.backends.base import HttpSettings
+from canaryd.backends.openai_request import responses_body
 from canaryd.backends.profile import RequestProfile
 from canaryd.canaries import Canary
 
@@ -45,7 +46,7 @@ class Prober(openai_compat.Prober):
     kind = "openai-responses"
 
     def body(self, canary: Canary, profile: RequestProfile) -> dict:
-        return wire.responses_body(self.cfg.model, canary, profile)
+        return responses_body(self.cfg.model, canary, profile)
 
     def route(self, canary: Canary) -> tuple[str, Callable[[Any], wire.Parsed]]:
         return f"{self.cfg.base_url}/responses", wire.parse_responses

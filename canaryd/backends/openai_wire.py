@@ -1,5 +1,6 @@
-"""The OpenAI wire format, shared by every kind that speaks it: the request body a canary becomes, the
-hash baselines are keyed by, and typed parsers for chat, legacy completion and Responses API bodies.
+"""The OpenAI wire format's answers, shared by every kind that speaks it: typed parsers for chat, legacy
+completion and Responses API bodies (the request is `openai_request`, the recorded headers
+`openai_headers`).
 
 Parsing reads the raw JSON ourselves (`parse_json`), so a malformed body becomes a named error
 (`InvalidResponse`, with the field) instead of a half-filled object: a field of the wrong type, a string
@@ -11,124 +12,18 @@ all refused here, so no comparison ever sees them.
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
-import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from canaryd.backends.profile import DEFAULT, RequestProfile
-from canaryd.canaries import Canary
 from canaryd.observation import (
     LOGPROB_MAX,
     LOGPROB_MIN,
     TokenLogprob,
     ToolCall,
     logprob_problem,
-    storable,
     text_problem,
-)
-from canaryd.toolcalls import choice_body
-
-# Headers that identify the serving side; they join the stack snapshot, so they must be stable per stack.
-# Azure names the model version, the deployment's session and the region serving it.
-IDENTITY_HEADERS = (
-    "server",
-    "openai-version",
-    "openai-model",
-    "x-openrouter-provider",
-    "azureml-model-session",
-    "x-ms-region",
-)
-# Response headers worth keeping with each observation (never credentials or cookies): exact names only, so
-# a server sending hundreds of ``x-ratelimit-*`` variants cannot bloat every stored event.
-RECORDED_HEADERS = frozenset(
-    {
-        *IDENTITY_HEADERS,
-        "openai-processing-ms",
-        "x-request-id",
-        "apim-request-id",
-        "retry-after",
-        "via",
-        *(
-            f"x-ratelimit-{what}-{unit}"
-            for what in ("limit", "remaining", "reset")
-            for unit in ("requests", "tokens")
-        ),
-    }
-)
-MAX_HEADER_VALUE = 256  # characters kept of each recorded header's value
-# What a LiteLLM proxy says about the deployment that served a request, as the stack field ``gateway.<name>``
-# (litellm 1.110 sends these on every answer: proxy/common_request_processing.py, get_custom_headers). Each
-# is stable per deployment; per-request ones (call id, durations, spend, retries) are left out.
-GATEWAY_HEADERS = {
-    "x-litellm-model-group": "model_group",  # the name the client asked for
-    "x-litellm-model-id": "model_id",  # the deployment: a hash of its settings, unless the config names it
-    "x-litellm-model-name": "model_name",  # what the deployment calls upstream, e.g. hosted_vllm/my-model
-    "x-litellm-model-api-base": "api_base",  # where (LiteLLM strips the query)
-    "x-litellm-model-region": "region",
-    "x-litellm-version": "version",
-    "llm_provider-server": "upstream_server",  # the upstream's own Server header, forwarded
-}
-
-
-def keep_header(name: str) -> bool:
-    """Whether a response header (lower-cased name) is recorded with the observation."""
-    return name in RECORDED_HEADERS
-
-
-def kept_headers(headers: Mapping[str, str] | Iterable[tuple[str, str]]) -> dict[str, str]:
-    """The response headers an observation records: the allow-listed names (lower-cased), each value cut to
-    `MAX_HEADER_VALUE` characters. Transports: ``obs.headers = wire.kept_headers(response.headers.items())``.
-    """
-    items = headers.items() if isinstance(headers, Mapping) else headers
-    out: dict[str, str] = {}
-    for name, value in items:
-        key = str(name).lower()
-        if keep_header(key):
-            out[key] = storable(str(value)[:MAX_HEADER_VALUE])
-    return out
-
-
-def redact_url(value: str) -> str:
-    """``value`` with the credentials of any URL in it (``user:password@``) replaced. The same rule as
-    `hostfacts.redact_url`, which a stdlib-only script must keep to itself."""
-    return re.sub(r"//[^/@\s]+@", "//<redacted>@", value)
-
-
-def gateway_fields(headers: Mapping[str, str]) -> dict[str, str]:
-    """``gateway.*`` stack fields from a gateway's response headers (none when no gateway answered)."""
-    out = {}
-    for header, name in GATEWAY_HEADERS.items():
-        value = headers.get(header)
-        if value:  # credentials in a URL (user:password@) never reach the stack
-            out[f"gateway.{name}"] = storable(redact_url(value)[:MAX_HEADER_VALUE])
-    return out
-
-
-# Request fields the openai SDK took as keyword arguments (the rest went in extra_body): they set the key
-# order of the JSON canaryd sends (`openai_compat.wire_body`), which stayed byte for byte the SDK's.
-SDK_PARAMS = frozenset(
-    {
-        "model",
-        "messages",
-        "prompt",
-        "temperature",
-        "top_p",
-        "max_tokens",
-        "max_completion_tokens",
-        "n",
-        "seed",
-        "stop",
-        "logprobs",
-        "top_logprobs",
-        "presence_penalty",
-        "frequency_penalty",
-        "tools",
-        "tool_choice",
-        "reasoning_effort",
-    }
 )
 
 
@@ -409,72 +304,6 @@ def _legacy_tokens(lp: dict, choice: dict) -> list[TokenLogprob] | None:
             top.append((alt, _logprob(v, f"{where}.top_logprobs.{i}.{alt[:32]!r}")))
         tokens.append(TokenLogprob(token=token, logprob=logprob, token_id=_token_id(ids, i), top=tuple(top)))
     return tokens
-
-
-def request_hash(body: dict) -> str:
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def request_body(model: str, canary: Canary, profile: RequestProfile = DEFAULT) -> dict:
-    """Every sampling parameter, explicit (servers otherwise fill defaults from files that can change),
-    as the backend's request profile shapes them (its ``extra_body`` is merged by the caller, last)."""
-    d = canary.decoding
-    chat = canary.messages is not None
-    body: dict[str, Any] = {"model": model, "temperature": d.temperature, "top_p": d.top_p}
-    if profile.token_param != "none":  # legacy completions know only max_tokens
-        body[profile.token_param if chat else "max_tokens"] = d.max_tokens + profile.reasoning_tokens
-    body |= {"n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0}
-    if d.seed is not None:
-        body["seed"] = d.seed
-    if d.stop:
-        body["stop"] = list(d.stop)
-    k = min(d.top_logprobs, profile.top_logprobs)
-    if chat:
-        body["messages"] = [m.model_dump() for m in canary.messages]
-        if profile.logprobs != "off":
-            body["logprobs"] = True
-            body["top_logprobs"] = k
-    else:
-        body["prompt"] = canary.prompt
-        if profile.logprobs != "off":
-            body["logprobs"] = k
-    if d.reasoning_effort is not None:
-        body["reasoning_effort"] = d.reasoning_effort
-    if canary.tools is not None:
-        body["tools"] = [t.body() for t in canary.tools]
-        if canary.tool_choice is not None:
-            body["tool_choice"] = choice_body(canary.tool_choice)
-    for key in profile.omit:
-        body.pop(key, None)
-    return body
-
-
-def responses_body(model: str, canary: Canary, profile: RequestProfile = DEFAULT) -> dict:
-    """The canary as an OpenAI Responses API request: the messages as ``input``; logprobs come only
-    through ``include``. The API takes no seed, stop, penalties or n, so none is sent."""
-    d = canary.decoding
-    body: dict[str, Any] = {"model": model, "input": [m.model_dump() for m in canary.messages or ()]}
-    if profile.token_param != "none":  # OpenAI refuses max_output_tokens below 16
-        body["max_output_tokens"] = max(RESPONSES_MIN_OUTPUT, d.max_tokens + profile.reasoning_tokens)
-    body |= {"temperature": d.temperature, "top_p": d.top_p}
-    if profile.logprobs != "off":
-        body["top_logprobs"] = min(d.top_logprobs, profile.top_logprobs)
-        body["include"] = ["message.output_text.logprobs"]
-    if d.reasoning_effort is not None:
-        body["reasoning"] = {"effort": d.reasoning_effort}
-    if canary.tools is not None:  # the Responses API's function tools are flat
-        body["tools"] = [{"type": "function", **t.function.body()} for t in canary.tools]
-        if canary.tool_choice is not None:
-            choice = choice_body(canary.tool_choice)
-            body["tool_choice"] = (
-                choice if isinstance(choice, str) else {"type": "function", **choice["function"]}
-            )
-    for key in profile.omit:
-        body.pop(key, None)
-    return body
-
-
-RESPONSES_MIN_OUTPUT = 16
 
 
 @_guarded

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from canaryd.backends.base import BackendUnavailable
 from canaryd.observation import ErrorKind, Observation, utcnow
+from canaryd.stack import stamped
 
 if TYPE_CHECKING:
     from canaryd.backends.base import BackendSettings, Prober
@@ -111,9 +112,10 @@ class Resilient:
         return self.prober.concurrency
 
     def snapshot(self) -> dict[str, str]:
+        """The kind's snapshot, stamped with the version of canaryd's recording rules (`stack.stamped`)."""
         if self.stopping.is_set():
             raise BackendUnavailable(ErrorKind.STOPPED, "not probed: canaryd is stopping")
-        return self.prober.snapshot()
+        return stamped(self.prober.snapshot())
 
     def request(self, canary: Canary) -> dict:
         return self.prober.request(canary)

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from canaryd.backends.openai_wire import InvalidResponse, request_hash
+from canaryd.backends.openai_request import request_hash
+from canaryd.backends.openai_wire import InvalidResponse
 from canaryd.canaries import Canary
 from canaryd.observation import TokenLogprob, logprob_problem
 

@@ -67,6 +67,7 @@ from pydantic import Field, model_validator
 from canaryd.backends import openai_wire as wire
 from canaryd.backends import refusals
 from canaryd.backends.base import BackendSettings, BackendUnavailable
+from canaryd.backends.openai_request import request_body, request_hash
 from canaryd.canaries import Canary
 from canaryd.fields import Strict
 from canaryd.observation import ErrorKind, Observation, TokenLogprob, ToolCall, utcnow
@@ -211,15 +212,15 @@ class Prober:
         return fields
 
     def request(self, canary: Canary) -> dict:
-        body = wire.request_body(self.cfg.model, canary)
+        body = request_body(self.cfg.model, canary)
         return body if canary.continuation is None else {**body, "continuation": canary.continuation}
 
     def request_hash(self, canary: Canary) -> str:
-        return wire.request_hash(self.request(canary))
+        return request_hash(self.request(canary))
 
     def attempt(self, canary: Canary) -> Observation:
         body = self.request(canary)
-        obs = Observation(self.name, canary.id, canary.suite, utcnow(), body, wire.request_hash(body))
+        obs = Observation(self.name, canary.id, canary.suite, utcnow(), body, request_hash(body))
         with self._lock:
             key = (self.cycle, f"{canary.id}\x1f{obs.request_hash}")
             n = self._attempts[key] = self._attempts.get(key, 0) + 1

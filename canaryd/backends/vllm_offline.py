@@ -41,7 +41,8 @@ from typing import Any, Literal
 from pydantic import Field
 
 from canaryd.backends.base import BackendSettings, BackendUnavailable
-from canaryd.backends.openai_wire import InvalidResponse, request_hash
+from canaryd.backends.openai_request import request_hash
+from canaryd.backends.openai_wire import InvalidResponse
 from canaryd.backends.vllm_server import TEMPLATE_PROBE
 from canaryd.canaries import Canary
 from canaryd.lazy import Logger, lazy_import

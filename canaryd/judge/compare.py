@@ -14,7 +14,7 @@ from canaryd.judge.signals import combine, score_signals
 from canaryd.judge.stats import DetectorState, NoiseModel, common_prefix, cusum, min_out_for, out_bound, score
 from canaryd.judge.verdicts import Verdict
 from canaryd.observation import ErrorKind, Observation, TokenLogprob, tokens_problem
-from canaryd.stack import FieldChange, diff
+from canaryd.stack import FieldChange, split
 
 __all__ = [
     "Comparison",
@@ -53,6 +53,8 @@ class Comparison:
     prompt_tokens_changed: bool = False
     fingerprint_changed: bool = False
     stack_changes: tuple[FieldChange, ...] = ()
+    # fields canaryd records differently than when the baseline was taken (`canaryd.stack.split`)
+    recording_changes: tuple[FieldChange, ...] = ()
     reasons: tuple[str, ...] = field(default=())
     evidence: Evidence | None = None
     first_diverged_step: str | None = None  # a chain's final step: the first step whose output moved
@@ -81,15 +83,18 @@ class Comparison:
             },
             "prompt_tokens_changed": self.prompt_tokens_changed,
             "fingerprint_changed": self.fingerprint_changed,
-            "stack_changes": [
-                {"field": c.field, "before": c.before, "after": c.after} for c in self.stack_changes
-            ],
+            "stack_changes": _dicts(self.stack_changes),
+            **({"recording_changes": _dicts(self.recording_changes)} if self.recording_changes else {}),
             "reasons": list(self.reasons),
             "evidence": None if self.evidence is None else self.evidence.as_dict(),
             "first_diverged_step": self.first_diverged_step,
             "latency": None if self.latency is None else self.latency.as_dict(),
             "reference": self.reference,
         }
+
+
+def _dicts(changes: Sequence[FieldChange]) -> list[dict]:
+    return [{"field": c.field, "before": c.before, "after": c.after} for c in changes]
 
 
 def token_delta(base: list[TokenLogprob], cur: list[TokenLogprob]) -> TokenDelta:
@@ -222,7 +227,8 @@ def compare(
         else token_delta(baseline.tokens, current.tokens)
     )
     text_identical = baseline.text == current.text
-    stack_changes = tuple(diff(baseline.stack, current.stack))
+    changed, recorded = split(baseline.stack, current.stack)
+    stack_changes, recording_changes = tuple(changed), tuple(recorded)
     fingerprint_changed = baseline.system_fingerprint != current.system_fingerprint
     usage = _usage_changes(baseline, current, text_basis)
     reasons: list[str] = []
@@ -318,6 +324,7 @@ def compare(
         prompt_tokens_changed=_prompt_changed(baseline, current),
         fingerprint_changed=fingerprint_changed,
         stack_changes=stack_changes,
+        recording_changes=recording_changes,
         reasons=tuple(reasons),
         evidence=evidence,
         basis=basis,
@@ -344,6 +351,7 @@ def new_configuration(configuration: str, other: str, against: Comparison) -> Co
         prompt_tokens_changed=against.prompt_tokens_changed,
         fingerprint_changed=against.fingerprint_changed,
         stack_changes=against.stack_changes,
+        recording_changes=against.recording_changes,
         reasons=(f"new serving configuration {name}: its first answer becomes its baseline", how),
         basis=against.basis,
     )

@@ -70,7 +70,7 @@ from canaryd.canaries import Expect
 from canaryd.judge.compare import Comparison, Evidence, Verdict, basis_of
 from canaryd.judge.evidence import p_to_e
 from canaryd.observation import Observation, tokens_problem
-from canaryd.stack import diff, merge_stacks
+from canaryd.stack import merge_stacks, split
 
 Z95 = 1.959963984540054  # two-sided 95% normal quantile
 SEED = 20260  # the permutation/bootstrap RNG's seed: the same draws always give the same p-values
@@ -352,7 +352,8 @@ def compare_samples(
         level=level,
         permutations=permutations,
     )
-    stack_changes = tuple(diff(merge_stacks(o.stack for o in base), merge_stacks(o.stack for o in now)))
+    changed, recorded = split(merge_stacks(o.stack for o in base), merge_stacks(o.stack for o in now))
+    stack_changes = tuple(changed)
     fingerprints = ({o.system_fingerprint for o in base}, {o.system_fingerprint for o in now})
 
     correct = None
@@ -449,6 +450,7 @@ def compare_samples(
         text_identical=Counter(map(answer, base)) == Counter(map(answer, now)),
         fingerprint_changed=fingerprints[0] != fingerprints[1],
         stack_changes=stack_changes,
+        recording_changes=tuple(recorded),
         reasons=tuple(reasons),
         evidence=Evidence(method, deciding.statistic, deciding.threshold, p, p_to_e(p), detail, basis),
         basis=basis,

@@ -172,6 +172,7 @@ def probe_backend(backend: Backend, canaries: Sequence[Canary], store: Store, co
             error_kind=obs.error_kind.value if obs.error_kind else None,
         )
         results.append(Result(obs_id, run_id, obs, comparison))
+    _report_recording(bound, (store.url, backend.name), [r.comparison for r in results])
     # The run's stack: the snapshot plus every response-level value seen (a fleet may show several).
     # A run where no probe answered has none: a server going down mid-pass answers the snapshot but not
     # the canaries, and that half-stack (no response.* fields) would count as a change, its return as another.
@@ -179,6 +180,20 @@ def probe_backend(backend: Backend, canaries: Sequence[Canary], store: Store, co
     run_stack = merge_stacks([stack, *answered]) if failure is None and answered else {}
     state = decision.state
     return BackendRun(backend.name, backend.kind, run_id, results, run_stack, failure, state, referenced)
+
+
+_RECORDING_REPORTED: set[tuple[str, ...]] = set()
+
+
+def _report_recording(bound: Any, where: tuple[str, str], comparisons: Sequence[Comparison]) -> None:
+    """One log line, once per store, backend and process, for the fields this canaryd records differently
+    than when the baselines were taken (an upgrade changed its rules): what they are, not a stack change.
+    An upgrade restarts the process, so it is the first pass after it that says so."""
+    changes = {c.field: (c.before, c.after) for cmp in comparisons for c in cmp.recording_changes}
+    key = (*where, *sorted(changes))
+    if changes and key not in _RECORDING_REPORTED:
+        _RECORDING_REPORTED.add(key)
+        bound.info("recording_changed", fields=dict(sorted(changes.items())), stack_change=False)
 
 
 def _reference_checks(

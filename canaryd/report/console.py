@@ -31,7 +31,7 @@ from canaryd.report.tables import (
     stack_changes_table,
     tokens_spent,
 )
-from canaryd.stack import diff
+from canaryd.stack import diff, split
 
 if TYPE_CHECKING:
     from canaryd.probe.calibrate import CalibrationReport
@@ -162,8 +162,10 @@ def show_stacks(stacks: Sequence[StackSeen], as_json: bool, console: Console) ->
             for k in sorted(s.fields):
                 console.print(f"  {k} = {s.fields[k]}", highlight=False)
         else:
+            recorded = split(previous[s.backend], s.fields)[1]
             for c in diff(previous[s.backend], s.fields):
-                console.print(f"  {c.field}: {c.before} -> {c.after}", highlight=False)
+                note = " (recorded differently by canaryd, not the server)" if c in recorded else ""
+                console.print(f"  {c.field}: {c.before} -> {c.after}{note}", highlight=False)
         previous[s.backend] = s.fields
 
 

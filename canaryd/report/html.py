@@ -26,7 +26,7 @@ from itertools import pairwise
 from pathlib import Path
 
 from canaryd import __version__
-from canaryd.backends import REVERT_FIRST
+from canaryd.backends import revert_first
 from canaryd.errors import InputError
 from canaryd.files import write_private
 from canaryd.judge.compare import token_delta
@@ -34,7 +34,7 @@ from canaryd.judge.verdicts import Verdict
 from canaryd.observation import Observation, TokenLogprob
 from canaryd.report.record import build_record, iso, revert_rank, suggest, to_markdown
 from canaryd.report.rundiff import PairDiff, Run, diff_runs, step_output
-from canaryd.stack import FieldChange, diff, merge_stacks
+from canaryd.stack import FieldChange, diff, merge_stacks, split
 from canaryd.store import Store, StoredObservation
 
 MAX_STEPS = 40  # changed steps shown token by token per pair (the counts above them stay complete)
@@ -60,7 +60,7 @@ code,.tokens{font-family:ui-monospace,monospace}.muted{color:#777}
 .tokens .who{width:6em;color:#555}
 .tok{white-space:pre;padding:1px 0;border:1px solid transparent}
 .tok.after{color:#999}.tok.div1{color:#000;border-color:#000;outline:2px solid #e33}
-tr.cause td:first-child{font-weight:600}
+tr.cause td:first-child{font-weight:600}tr.recording td{color:#888;font-style:italic}
 svg{background:#fafafa;border:1px solid #eee}
 #tip{position:fixed;display:none;background:#222;color:#fff;padding:2px 6px;border-radius:3px;
 font:12px ui-monospace,monospace;pointer-events:none;white-space:pre}
@@ -347,17 +347,25 @@ def history_section(store: Store, runs: Sequence[LoadedRun], pairs: Sequence[Tri
     )
 
 
+def _row_class(change: FieldChange, recorded: Sequence[FieldChange]) -> str:
+    if change in recorded:
+        return "recording"
+    return "cause" if revert_rank(change.field) < len(revert_first()) else "derived"
+
+
 def stack_section(runs: Sequence[LoadedRun]) -> str:
-    """Each consecutive pair's stack diff, cause fields (engine, configuration) before what they derive."""
+    """Each consecutive pair's stack diff, cause fields (engine, configuration) before what they derive;
+    fields only canaryd's recording rules moved (an upgrade: `canaryd.stack.split`) greyed, no cause."""
     out = ["<h2 id=stack>Stack changes</h2>"]
     for a, b in pairwise(runs):
         changes: list[FieldChange] = sorted(
             diff(a.stack, b.stack), key=lambda c: (revert_rank(c.field), c.field)
         )
         out.append(f"<h3>run {a.run.run_id} → run {b.run.run_id}: {len(changes)} field(s)</h3>")
+        recorded = split(a.stack, b.stack)[1]  # canaryd's recording rules moved, not the stack
         if changes:
             rows = "".join(
-                f'<tr class="{"cause" if revert_rank(c.field) < len(REVERT_FIRST) else "derived"}" '
+                f'<tr class="{_row_class(c, recorded)}" '
                 f'data-field="{e(c.field)}"><td><code>{e(c.field)}</code></td><td>{e(c.before)}</td>'
                 f"<td>{e(c.after)}</td></tr>"
                 for c in changes
@@ -366,7 +374,7 @@ def stack_section(runs: Sequence[LoadedRun]) -> str:
                 f"<table class=stackdiff><tr><th>field</th><th>run {a.run.run_id}</th>"
                 f"<th>run {b.run.run_id}</th></tr>{rows}</table>"
             )
-        out.append(f"<p>{e(suggest(changes))}</p>")
+        out.append(f"<p>{e(suggest([c for c in changes if c not in recorded]))}</p>")
     return "".join(out)
 
 

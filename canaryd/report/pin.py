@@ -5,7 +5,9 @@ Line 2 of the reproducibility record: nothing in the stack changes between the t
 the pin's evidence, kept in the store) and writes JSON with sorted keys and one field per line, so
 ``git diff`` of two pins shows exactly which field moved. ``check --pin`` and ``preflight`` compare a
 fresh probe with it: a pinned field that changed or disappeared has *moved* (fails); a field the pin
-does not know is *new* (reported, never fails: a newer canaryd or engine may expose more facts).
+does not know is *new* (reported, never fails: a newer canaryd or engine may expose more facts). Against a
+pin written under other recording rules (`canaryd.stack.split`), a field that canaryd added or dropped is
+*recorded differently*, reported and never failing as well.
 
 A pin also lists the serving configurations that answered (`canaryd.stack.configuration_of`): later, a
 configuration the pin does not list fails the check, while a pinned one that happened not to answer does
@@ -22,7 +24,7 @@ from pathlib import Path
 
 from canaryd.errors import InputError
 from canaryd.files import read_regular
-from canaryd.stack import IDENTITY_FIELDS, diff, stack_hash
+from canaryd.stack import IDENTITY_FIELDS, split, stack_hash
 
 FORMAT = "canaryd-pin/1"
 PIN_BYTES = 16 << 20  # a pin file larger than this is refused unread
@@ -105,11 +107,12 @@ class PinField:
     field: str
     pinned: str | None  # None: new since the pin
     now: str | None  # None: gone since the pin
+    recording: bool = False  # added or dropped by canaryd's recording rules since the pin, not the server
 
     @property
     def moved(self) -> bool:
-        """Changed or gone. A new field is reported but does not fail."""
-        return self.pinned is not None
+        """Changed or gone. A new field, or one canaryd records differently, is reported but does not fail."""
+        return self.pinned is not None and not self.recording
 
     def as_dict(self) -> dict:
         return {"backend": self.backend, "field": self.field, "pinned": self.pinned, "now": self.now}
@@ -127,6 +130,10 @@ class PinReport:
         return [f for f in self.fields if f.moved]
 
     @property
+    def recorded(self) -> list[PinField]:
+        return [f for f in self.fields if f.recording]
+
+    @property
     def matches(self) -> bool:
         return not self.moved and not self.unreachable and not self.unpinned
 
@@ -135,7 +142,12 @@ class PinReport:
             "file": self.path,
             "matches": self.matches,
             "moved": [f.as_dict() for f in self.moved],
-            "new": [f.as_dict() for f in self.fields if not f.moved],
+            "new": [f.as_dict() for f in self.fields if not f.moved and not f.recording],
+            **(
+                {"recorded_differently": [f.as_dict() for f in recorded]}
+                if (recorded := self.recorded)
+                else {}
+            ),
             "unreachable": list(self.unreachable),
             "unpinned_configurations": [{"backend": b, "configuration": c} for b, c in self.unpinned],
         }
@@ -163,8 +175,9 @@ def check_pin(
                 before, after = _without_identity(before), _without_identity(after)
             seen = (configurations or {}).get(name, ())
             unpinned += [(name, c) for c in seen if c not in pinned.configurations]
-        for c in diff(before, after):
-            fields.append(PinField(name, c.field, c.before, c.after))
+        changed, recorded = split(before, after)
+        fields += [PinField(name, c.field, c.before, c.after) for c in changed]
+        fields += [PinField(name, c.field, c.before, c.after, recording=True) for c in recorded]
     return PinReport(path, tuple(fields), tuple(unreachable), tuple(unpinned))
 
 

@@ -16,12 +16,12 @@ from datetime import UTC, datetime
 from itertools import pairwise
 
 from canaryd import __version__
-from canaryd.backends import REVERT_FIRST, REVERT_LAST
+from canaryd.backends import REVERT_LAST, revert_first
 from canaryd.errors import InputError
 from canaryd.judge.compare import Verdict, basis_of, text_delta, token_delta
 from canaryd.observation import Observation
 from canaryd.report.pin import Pin, check_pin
-from canaryd.stack import FieldChange, configurations_of, diff, merge_stacks, stack_hash
+from canaryd.stack import FieldChange, configurations_of, diff, merge_stacks, split, stack_hash
 from canaryd.store import RunStacks, Store, StoredObservation
 
 RECORD_FORMAT = "canaryd-record/1"
@@ -53,11 +53,12 @@ def last_flip(verdicts: Iterable[tuple[int, str]]) -> tuple[int, int] | None:
 
 def revert_rank(field: str) -> int:
     head = next((s for s in field.split(".") if s != "host"), "")
-    if head in REVERT_FIRST:
-        return REVERT_FIRST.index(head)
+    first = revert_first()
+    if head in first:
+        return first.index(head)
     if head in REVERT_LAST:
-        return len(REVERT_FIRST) + 1 + REVERT_LAST.index(head)
-    return len(REVERT_FIRST)  # unknown families: after the settings, before the derived fields
+        return len(first) + 1 + REVERT_LAST.index(head)
+    return len(first)  # unknown families: after the settings, before the derived fields
 
 
 def _shown(v: str | None) -> str:
@@ -87,8 +88,8 @@ def suggest(changes: Sequence[FieldChange]) -> str:
     )
 
 
-def _changes(raw: list[dict]) -> list[FieldChange]:
-    return [FieldChange(c["field"], c["before"], c["after"]) for c in raw]
+def _changes_of(row: StoredObservation, key: str) -> list[FieldChange]:
+    return [FieldChange(c["field"], c["before"], c["after"]) for c in row.comparison.get(key, [])]
 
 
 def _change_dicts(changes: Sequence[FieldChange]) -> list[dict]:
@@ -96,9 +97,7 @@ def _change_dicts(changes: Sequence[FieldChange]) -> list[dict]:
 
 
 def _moved(delta: dict | None) -> float | None:
-    vals = [
-        v for v in ((delta or {}).get("max_abs_dlogprob"), (delta or {}).get("max_abs_dtop")) if v is not None
-    ]
+    vals = [v for k in ("max_abs_dlogprob", "max_abs_dtop") if (v := (delta or {}).get(k)) is not None]
     return max(vals) if vals else None
 
 
@@ -154,14 +153,15 @@ def last_stack_change(runs: Sequence[RunStacks]) -> dict | None:
     """The backend-level view: the newest pair of consecutive runs whose stacks differ (runs newest first)."""
     merged = [(r.run_id, r.started_at, merge_stacks(r.stacks)) for r in runs]
     for (new_id, new_t, new), (old_id, old_t, old) in pairwise(merged):
-        if new != old:
-            changes = diff(old, new)
+        changes, recorded = split(old, new)  # what only canaryd records differently is no stack change
+        if changes:
             return {
                 "from_run": old_id,
                 "from_time": iso(old_t),
                 "to_run": new_id,
                 "to_time": iso(new_t),
                 "stack_changes": _change_dicts(changes),
+                **({"recording_changes": _change_dicts(recorded)} if recorded else {}),
                 "suggestion": suggest(changes),
             }
     return None
@@ -275,10 +275,11 @@ def build_record(
         b: tuple(configurations_of(o.stack for row, o in pairs if row.backend == b and o.ok))
         for b in backends
     }
-    changes = []
+    changes, recorded = [], {b: {} for b in backends}  # recording changes: once per backend and field
     for r in rows:
+        recorded[r.backend].update({c.field: c for c in _changes_of(r, "recording_changes")})
         if Verdict(r.verdict).is_drift:
-            moved = _changes(r.comparison.get("stack_changes", []))
+            moved = _changes_of(r, "stack_changes")
             changes.append(
                 {
                     "backend": r.backend,
@@ -308,6 +309,7 @@ def build_record(
                 "fields": s,
                 # the serving configurations that answered ("" an answer naming none)
                 "configurations": list(configurations[b]),
+                **({"recording_changes": _change_dicts(recorded[b].values())} if recorded[b] else {}),
             }
             for b, s in stacks.items()
         },
@@ -384,6 +386,11 @@ def _configurations_note(ids: list[str] | None) -> str:
     return f", {n} serving configuration{'s' if n != 1 else ''} ({', '.join(i or '(none)' for i in ids)})"
 
 
+def _recording_note(changes: list[dict] | None) -> str:
+    fields = ", ".join(f"{c['field']} ({_shown(c['from'])} -> {_shown(c['to'])})" for c in changes or ())
+    return fields and f"; recorded differently by canaryd than at its baselines, not by the server: {fields}"
+
+
 def to_markdown(rec: dict) -> str:
     """The record for people: the five lines first, then the detail behind each."""
     s, st = rec["session"], rec["storage"]
@@ -391,6 +398,7 @@ def to_markdown(rec: dict) -> str:
     stack_line = "; ".join(
         f"`{b}` ({v['kind'] or 'kind unknown'}) stack `{v['stack_hash']}`, {len(v['fields'])} fields"
         + _configurations_note(v.get("configurations"))
+        + _recording_note(v.get("recording_changes"))
         for b, v in rec["stack"].items()
     )
     changes_line = (

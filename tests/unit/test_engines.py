@@ -11,7 +11,7 @@ import pytest
 from canaryd.backends import KINDS, engine_version, tgi
 from canaryd.backends import ollama as ol
 from canaryd.backends import sglang as sg
-from canaryd.backends.engine_info import is_secret, section, text
+from canaryd.backends.engine_info import flatten, section, text
 from canaryd.canaries import Canary
 from canaryd.stack import diff
 from tests.engine_replay import EngineReplay, fixture
@@ -30,23 +30,9 @@ def changed(before: dict[str, str], after: dict[str, str]) -> dict[str, tuple]:
 
 
 # -- shared -------------------------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    ("name", "secret"),
-    [
-        ("api_key", True),
-        ("admin_api_key", True),
-        ("hf_token", True),
-        ("HF_TOKEN", True),
-        ("db.password", True),
-        ("max_total_tokens", False),
-        ("tokenizer_path", False),
-        ("tokenizer.ggml.bos_token_id", False),
-        ("kv_cache_dtype", False),
-        ("keep_mm_feature_on_device", False),
-    ],
-)
-def test_credentials_are_known_by_their_name(name: str, secret: bool) -> None:
-    assert is_secret(name) is secret
+def test_engine_fields_follow_the_one_secret_rule() -> None:
+    doc = {"api_key": "sk-1", "api_key_env": "X", "bos_token_id": 1, "token_path": "/t", "dtype": "auto"}
+    assert flatten(doc, "engine") == {"engine.bos_token_id": "1", "engine.dtype": "auto"}
 
 
 def test_values_keep_their_json_spelling() -> None:

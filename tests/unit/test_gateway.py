@@ -6,8 +6,7 @@ proxy in front of a real vLLM is tests/e2e/test_litellm_gateway.py."""
 
 from __future__ import annotations
 
-from canaryd.backends import litellm
-from canaryd.backends import openai_wire as wire
+from canaryd.backends import litellm, openai_headers
 from canaryd.judge.compare import Verdict, compare
 from tests.unit.test_response_shapes import fixture, probe, replay  # noqa: F401  (replay: a fixture)
 
@@ -15,7 +14,7 @@ INFO = fixture("litellm-model-info")["body"]
 
 
 def test_the_proxys_headers_name_the_deployment_not_the_per_request_values():
-    fields = wire.gateway_fields(fixture("litellm-chat")["headers"])
+    fields = openai_headers.gateway_fields(fixture("litellm-chat")["headers"])
     assert fields == {
         "gateway.model_group": "tiny",
         "gateway.model_id": "501a33cb0df68f348576bc45810a6b4d9a27a20a0f39585dafa5b45552ed1656",
@@ -24,10 +23,10 @@ def test_the_proxys_headers_name_the_deployment_not_the_per_request_values():
         "gateway.version": "1.110.2",
         "gateway.upstream_server": "BaseHTTP/0.6 Python/3.11.7",
     }  # no call id, duration, retries: they change every request
-    assert wire.gateway_fields({"x-litellm-model-api-base": "https://u:pw@h/v1"}) == {
+    assert openai_headers.gateway_fields({"x-litellm-model-api-base": "https://u:pw@h/v1"}) == {
         "gateway.api_base": "https://<redacted>@h/v1"
     }
-    assert wire.gateway_fields({"server": "uvicorn"}) == {}
+    assert openai_headers.gateway_fields({"server": "uvicorn"}) == {}
 
 
 def test_deployments_and_what_they_drop_come_from_model_info():

@@ -33,6 +33,49 @@ def test_secret_looking_names_are_dropped():
     }
 
 
+@pytest.mark.parametrize(
+    ("name", "secret"),
+    [
+        ("api_key", True),
+        ("admin_api_key", True),
+        ("hf_token", True),
+        ("HF_TOKEN", True),
+        ("db.password", True),
+        ("OPENAI_APIKEY", True),
+        ("apiKey", True),
+        ("ssl_keyfile", True),
+        # where a credential is kept, or which one: dropped as the credential is
+        ("api_key_env", True),
+        ("password_file", True),
+        ("secret_name", True),
+        ("token_path", True),
+        ("AWS_ACCESS_KEY_ID", True),
+        # a tokenizer's tokens, an attention key, counts: kept
+        ("bos_token_id", False),
+        ("eos_token_id", False),
+        ("tokenizer.ggml.bos_token_id", False),
+        ("tokenizer.ggml.token_type", False),
+        ("bos_token", False),
+        ("timings_per_token", False),
+        ("speculative_token_map", False),
+        ("VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD", False),
+        ("llama.attention.key_length", False),
+        ("max_total_tokens", False),
+        ("tokenizer_path", False),
+        ("kv_cache_dtype", False),
+        ("keep_mm_feature_on_device", False),
+    ],
+)
+def test_credentials_are_known_by_their_name(name: str, secret: bool) -> None:
+    assert hostfacts.is_secret_name(name) is secret
+
+
+def test_credentials_in_urls_are_redacted() -> None:
+    assert (
+        hostfacts.redact_url("s3://u:pw@host/x and https://h/y") == "s3://<redacted>@host/x and https://h/y"
+    )
+
+
 def server_backend(python: Path | str, model_dir: Path | None = None) -> Prober:
     cfg = Settings(
         name="local",

@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import generate_latest
 
+from canaryd.backends import openai_headers
 from canaryd.backends import openai_wire as wire
 from canaryd.backends.vllm_offline import token_logprobs
 from canaryd.daemon.metrics import Metrics, bounded
@@ -191,16 +192,18 @@ def test_kept_headers_are_an_allow_list_of_exact_names_with_bounded_values():
         "Set-Cookie": "s",
     }
     sent |= {"Server": "vllm", "X-Request-Id": "r1", "Authorization": "Bearer k", "openai-processing-ms": "3"}
-    kept = wire.kept_headers(sent.items())
+    kept = openai_headers.kept_headers(sent.items())
     assert kept == {
-        "x-ratelimit-remaining-tokens": "7" * wire.MAX_HEADER_VALUE,
+        "x-ratelimit-remaining-tokens": "7" * openai_headers.MAX_HEADER_VALUE,
         "x-ratelimit-reset-requests": "1s",
         "server": "vllm",
         "x-request-id": "r1",
         "openai-processing-ms": "3",
     }
-    assert wire.kept_headers(sent) == kept  # a mapping works as well as its items
-    assert not wire.keep_header("x-ratelimit-anything-else") and wire.keep_header("retry-after")
+    assert openai_headers.kept_headers(sent) == kept  # a mapping works as well as its items
+    assert not openai_headers.keep_header("x-ratelimit-anything-else") and openai_headers.keep_header(
+        "retry-after"
+    )
 
 
 def lp(logprob: float, rank: int) -> SimpleNamespace:

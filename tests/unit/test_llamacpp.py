@@ -55,6 +55,17 @@ def test_props_fields_of_a_recorded_body():
     assert not [k for k in f if "media_marker" in k or "is_sleeping" in k or "ui_settings" in k]
 
 
+def test_props_keep_credentials_out_at_any_depth():
+    props = copy.deepcopy(PROPS)
+    props["api_key"] = "sk-top-1"
+    props["default_generation_settings"]["params"]["hf_token"] = "hf-nested-2"
+    props["webui"] = {"auth": {"password_file": "/etc/pw-3"}, "theme": "dark"}
+    f = props_fields(props)
+    assert not [v for v in f.values() if v in ("sk-top-1", "hf-nested-2", "/etc/pw-3")]
+    assert f["engine.webui.theme"] == "dark"
+    assert f["engine.timings_per_token"] == "false"  # a tokenizer's token, not a credential
+
+
 def test_a_template_edit_moves_only_template_fields():
     edited = copy.deepcopy(PROPS)
     edited["chat_template"] += "{# edited #}"

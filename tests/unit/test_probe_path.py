@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from canaryd.backends import make_backend
+from canaryd.backends import make_backend, openai_request
 from canaryd.backends import openai_compat as compat
 from canaryd.backends import openai_wire as wire
 from canaryd.canaries import load_suites
@@ -51,10 +51,10 @@ def test_a_canarys_request_is_built_once_and_sent_as_it_always_was(setup):
     for canary in canaries:
         body = backend.request(canary)
         assert backend.request(canary) is body  # built once: the same object, every cycle
-        fresh = {**wire.request_body("m", canary), **backend.prober.extra_params(canary)}
-        assert body == fresh and backend.request_hash(canary) == wire.request_hash(fresh)
+        fresh = {**openai_request.request_body("m", canary), **backend.prober.extra_params(canary)}
+        assert body == fresh and backend.request_hash(canary) == openai_request.request_hash(fresh)
         obs = backend.probe(canary)
-        assert obs.ok and obs.request is body and obs.request_hash == wire.request_hash(fresh)
+        assert obs.ok and obs.request is body and obs.request_hash == openai_request.request_hash(fresh)
         assert server.requests[-1].body == compat.wire_body(fresh)  # the bytes the SDK sent
         path = "chat/completions" if canary.messages is not None else "completions"
         assert server.requests[-1].path.endswith(path)

@@ -16,6 +16,7 @@ from canaryd.canaries import Canary
 from canaryd.config import load_config
 from canaryd.errors import InputError
 from canaryd.observation import ErrorKind, Observation, utcnow
+from canaryd.report.record import revert_rank
 
 CANARY = Canary(id="c", messages=[{"role": "user", "content": "hi"}], suite="s")
 MINIMAL = {
@@ -139,6 +140,14 @@ def test_an_exception_from_a_kind_costs_one_observation_not_the_pass():
     assert obs.attempts == 1 and b.probe(CANARY).ok
 
 
+def test_every_kind_with_a_version_field_ranks_its_family_as_an_engine_build():
+    first = backends.revert_first()
+    for kind in KINDS:
+        field = getattr(backends._module(kind), "ENGINE_VERSION_FIELD", None)
+        if field is not None and not field.startswith("gateway."):  # a gateway reports about itself: last
+            assert revert_rank(field) < first.index("packages"), kind
+
+
 def test_adding_a_kind_is_one_module_and_one_registry_line(monkeypatch):
     """What the recipe in docs/architecture.md promises: the registry finds the module's Settings and
     Prober, `make_backend` wraps it in the shared resilience, and `canaryd init` offers its example."""
@@ -165,5 +174,8 @@ def test_adding_a_kind_is_one_module_and_one_registry_line(monkeypatch):
         assert b.probe(CANARY).attempts == 2  # the timeout was retried by the shared wrapper
         assert module.EXAMPLE in backends.examples()
         assert backends.engine_version("echo", {"echo.version": "7"}) == "7"
+        # `explain` ranks its fields among the engine builds: after the settings, before the weights
+        ranks = {f: revert_rank(f) for f in ("engine.dtype", "echo.version", "model.sha256", "nothing.x")}
+        assert ranks["engine.dtype"] < ranks["echo.version"] < ranks["model.sha256"] < ranks["nothing.x"]
     finally:
         backends._module.cache_clear()

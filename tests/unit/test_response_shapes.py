@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from canaryd.backends import openai_compat as compat
+from canaryd.backends import openai_headers
 from canaryd.backends import openai_responses as responses
 from canaryd.backends import openai_wire as wire
 from canaryd.canaries import Canary
@@ -186,5 +187,5 @@ def test_azures_identity_headers_are_stack_fields_and_recorded_headers_stay_boun
     assert obs.stack["header.x-ms-region"] == "Sweden Central"
     assert "header.apim-request-id" not in obs.stack  # per request: recorded, never a stack field
     assert obs.headers["apim-request-id"] == "8a6b2f4e-0c1d-4c55-9b7a-2f9d8e1c0a11"
-    assert set(obs.headers) <= wire.RECORDED_HEADERS and "content-length" not in obs.headers
-    assert len(wire.RECORDED_HEADERS) < 32  # exact names only, no pattern
+    assert set(obs.headers) <= openai_headers.RECORDED_HEADERS and "content-length" not in obs.headers
+    assert len(openai_headers.RECORDED_HEADERS) < 32  # exact names only, no pattern

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from canaryd.backends import openai_request
 from canaryd.backends import openai_wire as wire
 from canaryd.canaries import load_suite
 from canaryd.errors import InputError
@@ -146,13 +147,13 @@ def suite(tmp_path: Path, tools: str = TOOLS, expect: str = "", extra: str = "")
 
 def test_a_good_tool_call_canary_loads_and_is_sent_with_its_tools(tmp_path):
     (canary,) = load_suite(suite(tmp_path, extra='tool_choice = "required"')).canaries
-    body = wire.request_body("m", canary)
+    body = openai_request.request_body("m", canary)
     assert body["tools"] == [
         {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
     ]
     assert body["tool_choice"] == "required"
     assert hash(canary) == hash(load_suite(suite(tmp_path, extra='tool_choice = "required"')).canaries[0])
-    responses = wire.responses_body("m", canary)
+    responses = openai_request.responses_body("m", canary)
     assert responses["tools"] == [
         {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}
     ]
