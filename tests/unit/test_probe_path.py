@@ -13,7 +13,7 @@ from canaryd.backends import openai_compat as compat
 from canaryd.backends import openai_wire as wire
 from canaryd.canaries import load_suites
 from canaryd.config import load_config
-from tests.unit.loopback import Loopback, chat_body
+from tests.harness.loopback import Loopback, chat_body
 
 SUITE = """
 [suite]

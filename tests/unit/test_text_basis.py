@@ -21,7 +21,7 @@ from canaryd.judge.stats import GUARD, DetectorState, NoiseModel, fit, min_out_f
 from canaryd.observation import Observation
 from canaryd.probe.calibrate import calibrate
 from canaryd.report.record import build_record, to_markdown
-from tests.unit.scripted_lab import ScriptedLab, by_id, change, scripted, verdicts
+from tests.harness.scripted_lab import ScriptedLab, by_id, change, scripted, verdicts
 
 IDS = ["add", "capital", "colors"]
 
