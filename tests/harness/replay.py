@@ -121,14 +121,8 @@ def entries(answer: list[str], top: int, shift: float = 0.0, *, with_bytes: bool
     server leaves them out)."""
 
     def one(token: str, lp: float) -> dict:
-        return (
-            {"token": token, "logprob": lp, "bytes": list(token.encode())}
-            if with_bytes
-            else {
-                "token": token,
-                "logprob": lp,
-            }
-        )
+        entry = {"token": token, "logprob": lp}
+        return {**entry, "bytes": list(token.encode())} if with_bytes else entry
 
     return [
         {**one(t, v), "top_logprobs": [one(a, x) for a, x in alts]}
