@@ -24,8 +24,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.terminal import run_in_terminal  # noqa: E402
-from tests.unit.scripted_lab import PLAIN, scripted  # noqa: E402
+from tests.harness.scripted_lab import PLAIN, scripted  # noqa: E402
+from tests.harness.terminal import run_in_terminal  # noqa: E402
 
 
 def cpu_s(argv: list[str], env: dict[str, str], cwd: Path) -> float | str:

@@ -3,7 +3,7 @@
 The same synthetic observations (a default-suite-like chat request, ``--tokens`` tokens with ``--top``
 alternatives, a 3-field stack; ``--distinct`` payloads cycled, so most writes re-use stored content) go
 into SQLite (WAL, synchronous=NORMAL: what canaryd uses) and into a PostgreSQL server this script starts
-itself (initdb into a temporary directory, as tests/postgres.py does; PostgreSQL's binaries are needed),
+itself (initdb into a temporary directory, as the test harness does; PostgreSQL's binaries are needed),
 once with its durable defaults and once with ``synchronous_commit=off`` (the durability SQLite's
 synchronous=NORMAL gives: a crash can lose the last commits, never corrupt). One writer, one transaction
 per observation, as the daemon writes.
@@ -26,7 +26,7 @@ from canaryd import log
 from canaryd.judge.compare import Comparison, compare
 from canaryd.observation import Observation, TokenLogprob
 from canaryd.store import Store
-from tests.postgres import PostgresServer
+from tests.harness.postgres import PostgresServer
 
 REQUEST = {
     "model": "my-model",

@@ -78,7 +78,6 @@ from bench.detection_lab import (  # noqa: E402
     CACHE,
     SHIM_JITTER,
     SHIM_MODES,
-    Balancer,
     Served,
     backend_for,
     bench_canaries,
@@ -113,6 +112,7 @@ from canaryd.config import CompareConfig  # noqa: E402
 from canaryd.judge.stats import fit  # noqa: E402
 from canaryd.lab.tinymodel import perturb_weights  # noqa: E402
 from canaryd.stack import configuration_of  # noqa: E402
+from tests.harness.balancer import Balancer  # noqa: E402
 
 SHIM_SIGMAS = (0.003, 0.02)  # nats: σ_mode of the synthetic noise
 
@@ -233,9 +233,9 @@ def serve_all(
             ):
                 take("N0", f32.base_url, f32.startup_seconds or 0.0)
                 take("D1", bf16.base_url, bf16.startup_seconds or 0.0)
-                with Balancer([f32.base_url, bf16.base_url], seed=seed) as lb:
+                with Balancer({f32.port: 1, bf16.port: 1}, seed=seed) as lb:
                     take("F", lb.base_url, 0.0, deployed_here=True)
-                    fleet_hits = lb.hits
+                    fleet_hits = [lb.served.get(port, 0) for port in (f32.port, bf16.port)]
             phases["N0, D1 and F servers"] = time.perf_counter() - t
             print(
                 f"N0, D1, F: served and probed in {phases['N0, D1 and F servers']:.0f} s "

@@ -1,25 +1,21 @@
-"""The detection bench's testbed: the tiny trained model, real vLLM servers, what each server gave, a random
-balancer in front of two servers (the heterogeneous fleet), and the SYNTHETIC noise shim."""
+"""The detection bench's testbed: the tiny trained model, real vLLM servers, what each server gave, and the
+SYNTHETIC noise shim (the heterogeneous fleet is the harness's random balancer in front of two servers)."""
 
 from __future__ import annotations
 
-import http.client
 import random
 import statistics
-import threading
-import urllib.parse
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from canaryd.backends import Backend, make_backend, vllm_server
 from canaryd.canaries import Canary, Decoding, load_suite
 from canaryd.config import CompareConfig
 from canaryd.lab.tinymodel import build_tiny_model
-from canaryd.lab.vllm_process import VLLMServer, free_port
+from canaryd.lab.vllm_process import VLLMServer
 from canaryd.observation import Observation, TokenLogprob
 from canaryd.probe import vet
 from canaryd.probe.reference import Check, check_one, scoring
@@ -151,70 +147,6 @@ def serving(model: Path, dtype: str, logs: Path, name: str) -> Iterator[tuple[Ba
             yield backend, srv.startup_seconds or 0.0
         finally:
             backend.close()
-
-
-class Balancer:
-    """A random load balancer on loopback: each request goes to one upstream drawn at random (seeded).
-
-    The heterogeneous fleet (F): one served name, two replicas whose numerics differ, as a provider's
-    mixed-hardware pool looks from outside."""
-
-    def __init__(self, upstreams: Sequence[str], seed: int) -> None:
-        self.upstreams = [urllib.parse.urlsplit(u) for u in upstreams]
-        self.rng = random.Random(seed)
-        self.lock = threading.Lock()
-        self.hits = [0] * len(upstreams)
-        lb = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-            def _relay(self) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                with lb.lock:
-                    i = lb.rng.randrange(len(lb.upstreams))
-                    lb.hits[i] += 1
-                up = lb.upstreams[i]
-                conn = http.client.HTTPConnection(up.hostname, up.port, timeout=120)
-                try:
-                    headers = {
-                        k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")
-                    }
-                    conn.request(self.command, self.path, body=body or None, headers=headers)
-                    resp = conn.getresponse()
-                    data = resp.read()
-                finally:
-                    conn.close()
-                self.send_response(resp.status)
-                for k, v in resp.getheaders():
-                    if k.lower() not in (
-                        "content-length",
-                        "transfer-encoding",
-                        "connection",
-                        "date",
-                        "server",
-                    ):
-                        self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            do_GET = do_POST = _relay
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
-        self.base_url = f"http://127.0.0.1:{self.httpd.server_port}{self.upstreams[0].path}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-
-    def __enter__(self) -> Balancer:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 def ok(observations: list[Observation], what: str) -> list[Observation]:

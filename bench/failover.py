@@ -1,7 +1,7 @@
 """Failover of a fleet: two `canaryd run` daemons with one config on one PostgreSQL database.
 
 Scripted backends (no network) on a short interval. The script starts a throw-away PostgreSQL (as
-tests/e2e/postgres.py does) and two daemons, then ``--rounds`` times: lets both live ``--live`` intervals,
+tests/harness/postgres.py does) and two daemons, then ``--rounds`` times: lets both live ``--live`` intervals,
 kills the holder (SIGKILL on even rounds, SIGTERM on odd ones) and waits for the other to take over, then
 restarts the dead one as a standby. It prints, side by side:
 
@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from canaryd.daemon.service import TAKEOVER_EARLY_S
 from canaryd.store import lease_seconds
-from tests.e2e.postgres import PostgresServer
-from tests.e2e.test_failover import Fleet, doubles, gaps_after
+from tests.harness.fleet import Fleet, doubles, gaps_after
+from tests.harness.postgres import PostgresServer
 
 
 def started(fleet: Fleet, name: str) -> bool:

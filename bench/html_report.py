@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from canaryd.report.html import write_report  # noqa: E402
-from tests.unit.scripted_lab import ScriptedLab, change, scripted  # noqa: E402
+from tests.harness.scripted_lab import ScriptedLab, change, scripted  # noqa: E402
 
 # The scripted kind answers a chain's steps by a substring of each step's prompt.
 STEPS = {

@@ -1,6 +1,6 @@
 """canaryd's CPU per probe against the floor of the same exchange, and where one probe's CPU goes.
 
-A loopback server (``tests/unit/loopback.py``, in a child process so that its CPU is not counted) replays a
+A loopback server (``tests/harness/loopback.py``, in a child process so that its CPU is not counted) replays a
 vLLM chat answer of 32 tokens with the top 5 alternatives each. In one run this measures, in ``--runs``
 rounds that each take all three side by side (medians printed; the ratios are medians of each round's):
 
@@ -91,7 +91,7 @@ def vllm_body() -> dict:
 
 def serve() -> None:
     """The child process: the loopback server answering every chat request with `vllm_body`."""
-    from tests.unit.loopback import Loopback
+    from tests.harness.loopback import Loopback
 
     class Replay(Loopback):
         @staticmethod

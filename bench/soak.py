@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO))
 
 from canaryd.lab.tinymodel import build_tiny_model  # noqa: E402
 from canaryd.lab.vllm_process import VLLMServer, free_port  # noqa: E402
-from tests.faultproxy import FaultProxy  # noqa: E402
+from tests.harness.faultproxy import FaultProxy  # noqa: E402
 
 CONFIG = """
 state_dir = "state"

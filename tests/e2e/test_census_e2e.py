@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.e2e.lab import Lab
+from tests.harness.lab import Lab
 
 pytestmark = pytest.mark.vllm
 

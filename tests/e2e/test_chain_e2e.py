@@ -13,7 +13,7 @@ import pytest
 
 from canaryd.probe.chain import DIVERGED
 from tests.e2e.conftest import CACHE
-from tests.e2e.lab import Lab
+from tests.harness.lab import Lab
 
 pytestmark = pytest.mark.vllm
 

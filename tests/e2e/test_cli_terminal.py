@@ -9,8 +9,8 @@ import os
 import re
 import sys
 
-from tests.terminal import run_in_terminal
-from tests.unit.scripted_lab import PLAIN, scripted
+from tests.harness.scripted_lab import PLAIN, scripted
+from tests.harness.terminal import run_in_terminal
 
 BOX = set("┃━│─┏┡└╇")
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")

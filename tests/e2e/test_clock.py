@@ -34,7 +34,7 @@ import canaryd.observation
 from canaryd.config import load_config
 from canaryd.daemon import signals
 from canaryd.daemon.service import Daemon
-from tests.unit.scripted_lab import PLAIN, ScriptedLab, change, free_port, scripted, verdicts
+from tests.harness.scripted_lab import PLAIN, ScriptedLab, change, free_port, scripted, verdicts
 
 IDS = ["add", "capital", "colors"]
 DAY = 86_400.0

@@ -23,11 +23,18 @@ from pathlib import Path
 import pytest
 
 from canaryd.lab.vllm_process import free_port
-from tests.e2e.services import WebhookReceiver, need, query, start_alertmanager, start_prometheus, wait_for
+from tests.harness.fixtures import load
+from tests.harness.services import (
+    WebhookReceiver,
+    need,
+    query,
+    start_alertmanager,
+    start_prometheus,
+    wait_for,
+)
 
 REPO = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
 RULES = REPO / "prometheus" / "canaryd-alerts.yml"
-FIXTURES = REPO / "tests" / "fixtures" / "refusals"
 
 SUITE = """
 [suite]
@@ -64,8 +71,8 @@ class Replay:
 
     def __init__(self) -> None:
         replies = {
-            "/v1/chat/completions": json.loads((FIXTURES / "openai-max-tokens.json").read_text()),
-            "/v1/completions": json.loads((FIXTURES / "openai-completions-chat-model.json").read_text()),
+            "/v1/chat/completions": load("refusals/openai-max-tokens"),
+            "/v1/completions": load("refusals/openai-completions-chat-model"),
         }
         self.seen: Counter[str] = Counter()
         seen = self.seen

@@ -21,7 +21,7 @@ import httpx2
 import pytest
 
 from canaryd.lab.vllm_process import VLLMServer, free_port
-from tests.e2e.services import (
+from tests.harness.services import (
     Service,
     WebhookReceiver,
     need,

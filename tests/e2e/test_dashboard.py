@@ -25,7 +25,7 @@ from canaryd.daemon.metrics import Metrics
 from canaryd.judge.reference import decide
 from canaryd.lab.vllm_process import free_port
 from canaryd.probe.reference import Check, Cycle
-from tests.e2e.services import need, query, start_prometheus, wait_for
+from tests.harness.services import need, query, start_prometheus, wait_for
 from tests.unit.test_metrics import run
 
 REPO = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.lab import Lab
+from tests.harness.lab import Lab
 
 pytestmark = pytest.mark.vllm
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from canaryd.lab.vllm_process import VLLMServer
-from tests.e2e.lab import Lab
+from tests.harness.lab import Lab
 
 pytestmark = pytest.mark.vllm
 KEY = "sk-engine-args-e2e-7d3b91c0"  # recognisable, so the test can prove it is stored nowhere

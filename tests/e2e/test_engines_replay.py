@@ -1,4 +1,4 @@
-"""SGLang, TGI and Ollama, replayed from recorded real bodies (tests/engine_replay.py), through the real
+"""SGLang, TGI and Ollama, replayed from recorded real bodies (tests/harness/engines.py), through the real
 ``canaryd`` CLI, its config and SQLite history: a baseline, ``identical`` after an unchanged restart (SGLang
 draws a new random seed, Ollama a new unload time), then a change scripted in each engine (SGLang restarted
 with another ``--dtype``, TGI serving other weights under the same model id, Ollama's model re-pulled to
@@ -18,27 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine_replay import EngineReplay
+from tests.harness.engines import EngineReplay
+from tests.harness.suites import ADD, ANSWERS, CAPITAL, GREEDY, suite
 
-SUITE = """\
-[suite]
-name = "engines"
-[defaults]
-temperature = 0.0
-top_p = 1.0
-max_tokens = 16
-seed = 0
-top_logprobs = 5
-[[canary]]
-id = "add"
-messages = [{ role = "user", content = "What is 17 + 25? Answer with the number only." }]
-expect = { number = 42, answer = "42" }
-[[canary]]
-id = "capital"
-messages = [{ role = "user", content = "What is the capital of France? Answer with one word." }]
-expect = { regex = "^paris\\\\.?$", answer = "Paris" }
-"""
-ANSWERS = {"17 + 25": "42", "capital of France": "Paris"}
+SUITE = suite("engines", GREEDY, ADD, CAPITAL)
 MODELS = {"sglang": "qwen/qwen2.5-0.5b-instruct", "tgi": "tgi", "ollama": "llama3"}
 NEW_SHA = "1b4a2d6e0c5f7a9b8d3e2f1a0b9c8d7e6f5a4b3c"
 NEW_DIGEST = "365c0bd3c000a25d28ddbf732fe1c6add414de7275464c4e4d1c3b5fcb5d8ad1"

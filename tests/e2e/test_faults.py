@@ -20,7 +20,7 @@ from canaryd.lab.vllm_process import VLLMServer
 from canaryd.observation import ErrorKind
 from canaryd.probe.run import plan, probe_backend
 from canaryd.store import Store
-from tests.e2e.faultproxy import FaultProxy
+from tests.harness.faultproxy import FaultProxy
 
 SUITE = """
 [suite]

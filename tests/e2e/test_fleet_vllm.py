@@ -17,8 +17,8 @@ import pytest
 
 from canaryd.lab.vllm_process import VLLMServer
 from canaryd.stack import configuration_of
-from tests.e2e.balancer import Balancer
-from tests.e2e.lab import Lab
+from tests.harness.balancer import Balancer
+from tests.harness.lab import Lab
 
 pytestmark = pytest.mark.vllm
 

@@ -20,7 +20,7 @@ import pytest
 
 from canaryd.config import load_config
 from canaryd.daemon.service import Daemon
-from tests.unit.hostile_lab import (
+from tests.harness.hostile_lab import (
     ENV,
     SLOW,
     SLOW_SUITE,
@@ -30,7 +30,7 @@ from tests.unit.hostile_lab import (
     scrape,
     write_config,
 )
-from tests.unit.scripted_lab import PLAIN, scripted
+from tests.harness.scripted_lab import PLAIN, scripted
 
 
 def test_check_with_a_backtracking_regex_is_an_error_in_seconds(tmp_path):

@@ -19,7 +19,7 @@ import httpx2
 import pytest
 
 from tests.e2e.conftest import REPO
-from tests.e2e.lab import Lab
+from tests.harness.lab import Lab
 
 pytestmark = pytest.mark.vllm
 LITELLM = REPO / ".cache" / "engines" / "litellm" / "bin" / "litellm"

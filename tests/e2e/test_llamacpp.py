@@ -24,8 +24,8 @@ import pytest
 from canaryd.lab.gguf_model import write_gguf
 from canaryd.lab.tinymodel import CHAT_TEMPLATE, build_tiny_model
 from tests.e2e.conftest import CACHE, REPO
-from tests.e2e.lab import Lab
-from tests.e2e.services import Service, wait_for
+from tests.harness.lab import Lab
+from tests.harness.services import Service, wait_for
 
 BUILT = REPO / ".cache/engines/llama.cpp"
 SERVER = Path(os.environ.get("CANARYD_LLAMA_SERVER", BUILT / "bin/llama-server"))

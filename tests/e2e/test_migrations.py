@@ -1,4 +1,4 @@
-"""Alembic migrations on a real PostgreSQL (tests/e2e/postgres.py; missing binaries fail the tests, never
+"""Alembic migrations on a real PostgreSQL (tests/harness/postgres.py; missing binaries fail the tests, never
 skip them): the same tests as on SQLite, collected here from tests/unit/test_migrations.py with a
 PostgreSQL ``url``, and the requirement that the server binaries are there.
 """
@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from tests.e2e.postgres import PostgresServer
+from tests.harness.postgres import PostgresServer
 from tests.unit import test_configurations
 from tests.unit import test_migrations as on_sqlite
 

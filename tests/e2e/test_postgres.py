@@ -1,6 +1,6 @@
 """The same canaryd on PostgreSQL as on SQLite, and a fleet of writers on one database.
 
-A real PostgreSQL server is started for this module (tests/e2e/postgres.py; missing binaries fail the
+A real PostgreSQL server is started for this module (tests/harness/postgres.py; missing binaries fail the
 tests, never skip them). Its TimeZone is deliberately not UTC, so any time that went through the server in
 local time would come back shifted. The store tests are those of tests/unit/test_store_fleet.py (on SQLite
 there), collected here with a PostgreSQL ``url``.
@@ -16,7 +16,7 @@ import pytest
 
 from canaryd.store import Store
 from canaryd.store.engine import SCHEMA_REVISION
-from tests.e2e.postgres import PostgresServer
+from tests.harness.postgres import PostgresServer
 from tests.unit import test_store_fleet as on_sqlite
 from tests.unit.test_store_fleet import add, make_obs, writers
 

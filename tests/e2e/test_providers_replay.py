@@ -1,4 +1,5 @@
-"""Each cloud provider family, replayed from recorded real bodies (tests/replay.py), as a new user meets it:
+"""Each cloud provider family, replayed from recorded real bodies (tests/harness/providers.py), as a new
+user meets it:
 
 (i)   no profile: ``check`` exits 2 naming the backend, the refused parameter and the profile key that fixes
       it, or, where the family works without one, gives a judged observation;
@@ -19,27 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.replay import KEY, Replay
+from tests.harness.providers import KEY, Replay
+from tests.harness.suites import ADD, ANSWERS, CAPITAL, GREEDY, suite
 
-SUITE = """\
-[suite]
-name = "cloud"
-[defaults]
-temperature = 0.0
-top_p = 1.0
-max_tokens = 16
-seed = 0
-top_logprobs = 5
-[[canary]]
-id = "add"
-messages = [{ role = "user", content = "What is 17 + 25? Answer with the number only." }]
-expect = { number = 42, answer = "42" }
-[[canary]]
-id = "capital"
-messages = [{ role = "user", content = "What is the capital of France? Answer with one word." }]
-expect = { regex = "^paris\\\\.?$", answer = "Paris" }
-"""
-ANSWERS = {"17 + 25": "42", "capital of France": "Paris"}
+SUITE = suite("cloud", GREEDY, ADD, CAPITAL)
 
 
 @dataclass(frozen=True)

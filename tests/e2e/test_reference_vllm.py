@@ -19,7 +19,7 @@ import pytest
 
 from canaryd.lab.vllm_process import VLLMServer, free_port
 from tests.e2e.conftest import REPO
-from tests.e2e.lab import Lab
+from tests.harness.lab import Lab
 
 pytestmark = pytest.mark.vllm
 

@@ -15,7 +15,7 @@ import subprocess
 from pathlib import Path
 
 from canaryd.report.html import write_report
-from tests.e2e.services import need
+from tests.harness.services import need
 from tests.unit.test_html_report import PAYLOAD, Page, three_runs
 
 FLAGS = [

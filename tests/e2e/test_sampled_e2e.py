@@ -16,7 +16,7 @@ import pytest
 
 from canaryd.lab.tinymodel import build_tiny_model, perturb_weights
 from tests.e2e.conftest import CACHE
-from tests.e2e.lab import Lab
+from tests.harness.lab import Lab
 
 pytestmark = pytest.mark.vllm
 COIN = [{"role": "user", "content": "Flip a coin."}]

@@ -1,6 +1,6 @@
 """A server that drips its answer can neither freeze ``canaryd check`` nor hold the daemon's stop: the CLI
 and the daemon as processes (`canaryd check`, `canaryd run` + SIGTERM) against the loopback server of
-`tests.unit.loopback`, which sends one byte a second for as long as the client listens.
+`tests.harness.loopback`, which sends one byte a second for as long as the client listens.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.loopback import Loopback
-from tests.unit.scripted_lab import free_port
+from tests.harness.loopback import Loopback
+from tests.harness.scripted_lab import free_port
 
 SUITE = """
 [suite]

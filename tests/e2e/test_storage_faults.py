@@ -19,7 +19,7 @@ import httpx2
 import pytest
 
 from canaryd.lab.vllm_process import free_port
-from tests.e2e.services import wait_for
+from tests.harness.services import wait_for
 
 SUITE = """
 [suite]

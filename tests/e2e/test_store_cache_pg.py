@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from tests.e2e.postgres import PostgresServer
+from tests.harness.postgres import PostgresServer
 from tests.unit import test_store_cache as on_sqlite
 
 _names = itertools.count()

@@ -16,7 +16,7 @@ import pytest
 
 from canaryd.lab.tinymodel import CHAT_TEMPLATE, build_tiny_model
 from tests.e2e.conftest import CACHE
-from tests.e2e.lab import Lab
+from tests.harness.lab import Lab
 
 pytestmark = pytest.mark.vllm
 

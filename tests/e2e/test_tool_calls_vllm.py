@@ -26,7 +26,7 @@ import pytest
 from canaryd.lab.tinymodel import build_tiny_model
 from canaryd.lab.vllm_process import free_port
 from tests.e2e.conftest import CACHE
-from tests.e2e.lab import Lab
+from tests.harness.lab import Lab
 
 pytestmark = pytest.mark.vllm
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from canaryd.lab.vllm_process import VLLMServer
-from tests.e2e.lab import Lab
+from tests.harness.lab import Lab
 
 pytestmark = pytest.mark.vllm
 KEY = "sk-canaryd-e2e-4f1c9b2a77"  # recognisable, so the test can prove it is stored nowhere

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.unit.scripted_lab import ScriptedLab
+from tests.harness.scripted_lab import ScriptedLab
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.scripted_lab import PLAIN, ScriptedLab, change, scripted
+from tests.harness.scripted_lab import PLAIN, ScriptedLab, change, scripted
 
 REPO = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
 

@@ -17,7 +17,7 @@ from canaryd.daemon.service import Daemon
 from canaryd.errors import EXIT_UNAVAILABLE, EXIT_USAGE
 from canaryd.observation import ErrorKind
 from canaryd.probe import budget
-from tests.unit.scripted_lab import ScriptedLab, change, free_port, scripted
+from tests.harness.scripted_lab import ScriptedLab, change, free_port, scripted
 from tests.unit.test_scripted_daemon import IDS, passes, value, wait, write
 
 FIX = 'set request.token_param = "max_completion_tokens" (or preset = "openai-reasoning")'

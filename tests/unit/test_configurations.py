@@ -25,7 +25,7 @@ from canaryd.report.pin import Pin, PinnedBackend, check_pin
 from canaryd.stack import IDENTITY_FIELDS, configuration_of
 from canaryd.store import Store
 from canaryd.store.engine import SCHEMA_REVISION, current_revision
-from tests.unit.scripted_lab import change, scripted, verdicts
+from tests.harness.scripted_lab import change, scripted, verdicts
 from tests.unit.test_migrations import upgrade_to
 
 IDS = ["add", "capital", "colors"]

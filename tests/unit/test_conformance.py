@@ -15,7 +15,7 @@ from canaryd.errors import InputError
 from canaryd.judge.conformance import judge_pair
 from canaryd.observation import ErrorKind, Observation, TokenLogprob
 from canaryd.probe.shapes import shape_of
-from tests.unit.scripted_lab import ScriptedLab, by_id, change, scripted, verdicts
+from tests.harness.scripted_lab import ScriptedLab, by_id, change, scripted, verdicts
 
 MAX = Conform(param="max_tokens", low=8, high=32)
 EFFORT = Conform(param="reasoning_effort", low="low", high="high")

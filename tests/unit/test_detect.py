@@ -1,5 +1,5 @@
 """Which engine answers at a URL (`canaryd.backends.detect`), from each engine's recorded introspection
-bodies (tests/fixtures/engines, llama.cpp's /props from its server README), and what `canaryd init --url`
+bodies (tests/fixtures/engines), and what `canaryd init --url`
 and `canaryd doctor` do with it."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from canaryd.backends.detect import Answer, Detection, classify, constant_fingerprint, detect
 from canaryd.errors import InputError
-from tests.engine_replay import EngineReplay, fixture
+from tests.harness.engines import EngineReplay, fixture
 
 
 def ok(engine: str, name: str, headers: dict[str, str] | None = None) -> Answer:
@@ -30,7 +30,7 @@ def replay():
     ("answers", "kind", "said"),
     [
         ({"/api/version": ok("ollama", "version")}, "ollama", "Ollama 0.5.1"),
-        ({"/props": ok("llamacpp", "llamacpp-detect/props")}, "llamacpp", "default_generation_settings"),
+        ({"/props": ok("llamacpp", "props")}, "llamacpp", "default_generation_settings"),
         (
             {"/server_info": NOT_FOUND, "/get_server_info": ok("sglang", "server_info")},
             "sglang",
@@ -62,13 +62,13 @@ def test_each_engine_is_told_by_its_own_endpoint(answers: dict, kind: str, said:
 
 def test_a_gateway_in_front_of_an_engine_is_the_gateway() -> None:
     """LiteLLM passes through nothing of /props, but if its headers are there, the gateway is what answers."""
-    answers = {"/props": ok("llamacpp", "llamacpp-detect/props", {"x-litellm-call-id": "c1"})}
+    answers = {"/props": ok("llamacpp", "props", {"x-litellm-call-id": "c1"})}
     assert classify(answers).kind == "litellm"
 
 
 def test_detect_over_http_with_the_model_it_serves(replay: EngineReplay) -> None:
     found = detect(replay.base("llamacpp"))
-    assert (found.kind, found.model) == ("llamacpp", "../models/Meta-Llama-3.1-8B-Instruct-Q4_K_M.gguf")
+    assert (found.kind, found.model) == ("llamacpp", "tiny")
     assert detect(replay.root("sglang")).kind == "sglang"  # the root works as well as the /v1 base
     assert detect(replay.base("nothing")).kind == "openai"
 

@@ -1,4 +1,4 @@
-"""``canaryd doctor`` against every replayed provider family (tests/replay.py: recorded real bodies): the
+"""``canaryd doctor`` against every replayed provider family (tests/harness/providers.py): the
 facts it finds, the profile it writes, what it spends, and how it fails."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import pytest
 from canaryd import doctor
 from canaryd.config import load_config
 from canaryd.errors import InputError
-from tests.replay import KEY, Replay
-from tests.unit.scripted_lab import free_port
+from tests.harness.providers import KEY, Replay
+from tests.harness.scripted_lab import free_port
 
 # family → (findings that matter, the profile doctor must write)
 EXPECTED: dict[str, tuple[dict, dict]] = {
@@ -306,7 +306,7 @@ def test_the_responses_api_is_asked_through_responses(
 
 @pytest.mark.parametrize("mode", ["503", "429", "hang", "cut"])
 def test_a_failing_endpoint_is_unreachable(mode: str, folder: Path) -> None:
-    from tests.unit.loopback import Loopback
+    from tests.harness.loopback import Loopback
 
     with Loopback() as server:
         path = config(folder, server.base(mode))
@@ -316,7 +316,7 @@ def test_a_failing_endpoint_is_unreachable(mode: str, folder: Path) -> None:
 
 
 def test_a_body_that_is_not_json_is_read_as_nothing_returned(folder: Path) -> None:
-    from tests.unit.loopback import Loopback
+    from tests.harness.loopback import Loopback
 
     with Loopback() as server:
         path = config(folder, server.base("badjson"))

@@ -14,7 +14,7 @@ from canaryd.backends import sglang as sg
 from canaryd.backends.engine_info import flatten, section, text
 from canaryd.canaries import Canary
 from canaryd.stack import diff
-from tests.engine_replay import EngineReplay, fixture
+from tests.harness.engines import EngineReplay, fixture
 
 SERVER_INFO = fixture("sglang", "server_info")["body"]
 

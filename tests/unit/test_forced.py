@@ -9,7 +9,6 @@ real server sent (tests/fixtures/scoring/).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,8 @@ from canaryd.backends import scoring
 from canaryd.canaries import Canary
 from canaryd.errors import InputError
 from canaryd.probe.shapes import FORCED, shape_of
-from tests.unit.scripted_lab import PLAIN, ScriptedLab, by_id, change, scripted, verdicts
+from tests.harness.fixtures import load
+from tests.harness.scripted_lab import PLAIN, ScriptedLab, by_id, change, scripted, verdicts
 
 FORCED_SUITE = """
 [suite]
@@ -34,7 +34,6 @@ prompt = "The three primary colors of light are red, green and"
 continuation = " blue"
 """
 ANSWERS = {"forced-chat": "Paris", "forced-raw": " blue"}  # what the scripted model would say
-FIXTURES = Path(__file__).parent.parent / "fixtures" / "scoring"
 
 
 @pytest.fixture
@@ -151,7 +150,7 @@ def test_a_suite_kept_off_a_kind_that_cannot_score_is_accepted(make, tmp_path):
 
 
 def _recorded() -> dict:
-    return json.loads((FIXTURES / "vllm-prompt-logprobs.json").read_text())
+    return load("scoring/vllm-prompt-logprobs")
 
 
 def test_the_recorded_vllm_scoring_body_parses_into_the_continuations_tokens():

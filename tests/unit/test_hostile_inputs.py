@@ -31,7 +31,7 @@ from canaryd.canaries import CheckTimeout, Expect, backtracking_risk
 from canaryd.config import load_config
 from canaryd.daemon.httpserver import MetricsServer
 from canaryd.daemon.service import Daemon
-from tests.unit.hostile_lab import (
+from tests.harness.hostile_lab import (
     SLOW,
     SLOW_ANSWER,
     SLOW_SUITE,
@@ -40,7 +40,7 @@ from tests.unit.hostile_lab import (
     scrape,
     write_config,
 )
-from tests.unit.scripted_lab import PLAIN, ScriptedLab, scripted
+from tests.harness.scripted_lab import PLAIN, ScriptedLab, scripted
 
 # -- 1. regex checks under a time bound -----------------------------------------------------------------
 

@@ -30,7 +30,7 @@ from canaryd.judge.stats import CalibrationError, NoiseModel, Point, fit
 from canaryd.observation import ErrorKind, Observation, TokenLogprob, utcnow
 from canaryd.probe import vet
 from canaryd.probe.run import BackendRun, Result
-from tests.unit.scripted_lab import ScriptedLab, by_id, change, scripted, verdicts
+from tests.harness.scripted_lab import ScriptedLab, by_id, change, scripted, verdicts
 
 IDS = ["add", "capital", "colors"]
 NAN, INF = float("nan"), float("inf")

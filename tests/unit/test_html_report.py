@@ -16,7 +16,7 @@ import pytest
 from canaryd.judge.compare import token_delta
 from canaryd.report.html import render, write_report
 from canaryd.report.rundiff import diff_pairs
-from tests.unit.scripted_lab import PLAIN, ScriptedLab, change, scripted
+from tests.harness.scripted_lab import PLAIN, ScriptedLab, change, scripted
 
 PAYLOAD = "<script>document.title='pwned'</script><b>x</b>"
 HOSTILE_STACK = "<img src=x onerror=\"document.title='pwned'\">"

@@ -16,7 +16,7 @@ from canaryd.daemon.metrics import Metrics
 from canaryd.daemon.service import Daemon, Generation, Tenure
 from canaryd.store import Store, lease_seconds
 from canaryd.store.leases import GRACE_MAX_S, GRACE_MIN_S, Lease
-from tests.unit.scripted_lab import ScriptedLab, scripted
+from tests.harness.scripted_lab import ScriptedLab, scripted
 from tests.unit.test_metrics import PER_BACKEND, families_of, populated
 from tests.unit.test_scripted_daemon import IDS, daemon, passes, port, value, wait  # noqa: F401 (fixture)
 

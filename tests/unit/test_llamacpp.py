@@ -7,7 +7,6 @@ import copy
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import pytest
 
@@ -24,18 +23,16 @@ from canaryd.backends.llamacpp import (
 from canaryd.canaries import Canary
 from canaryd.config import load_config
 from canaryd.observation import ErrorKind
-
-FIXTURES = Path(__file__).parents[1] / "fixtures" / "engines" / "llamacpp"
-SOURCE = json.loads((FIXTURES / "SOURCE.json").read_text())
+from tests.harness.fixtures import every, load, read
 
 
 def recorded(name: str) -> dict:
-    return json.loads((FIXTURES / name).read_text())
+    return load(f"engines/llamacpp/{name}")["body"]
 
 
-PROPS = recorded("props.json")
-MODELS = recorded("models.json")
-METRICS = (FIXTURES / "metrics.txt").read_text()
+PROPS = recorded("props")
+MODELS = recorded("models")
+METRICS = recorded("metrics")
 
 
 def test_props_fields_of_a_recorded_body():
@@ -138,7 +135,7 @@ class _Recorded(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers["Content-Length"]))
         if self.path == "/apply-template":
-            self._send(200, (FIXTURES / "apply-template.json").read_bytes())
+            self._send(200, json.dumps(recorded("apply-template")).encode())
         else:
             self._send(404, b"{}")
 
@@ -171,7 +168,7 @@ def test_snapshot_reads_every_endpoint(server):
         p.close()
     assert s["backend.kind"] == "llamacpp" and s["model.ftype"] == "all F32"
     assert s["model.size"] == str(MODELS["data"][0]["meta"]["size"])
-    assert s["template.prompt_sha256"] == sha16(recorded("apply-template.json")["prompt"])
+    assert s["template.prompt_sha256"] == sha16(recorded("apply-template")["prompt"])
     assert s["metrics.series"] == metrics_fields(METRICS)["metrics.series"]
     assert not [k for k in s if k.endswith(".error")], s
 
@@ -200,4 +197,5 @@ def test_requests_pin_llamacpp_s_samplers_and_turn_off_prompt_caching(server):
 
 
 def test_fixtures_name_their_source():
-    assert SOURCE["llama.cpp"].startswith("llama-cpp-python==0.3.36") and SOURCE["files"]
+    for path in every("engines/llamacpp"):
+        assert "llama-cpp-python==0.3.36" in read(path)["_source"], path.name

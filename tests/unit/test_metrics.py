@@ -371,7 +371,7 @@ def test_the_daemon_publishes_each_pass_and_serves_it(tmp_path):
     and a new daemon publishes the last-probe times it restores before its first pass."""
     from canaryd.config import load_config
     from canaryd.daemon.service import Daemon
-    from tests.unit.scripted_lab import free_port, scripted
+    from tests.harness.scripted_lab import free_port, scripted
     from tests.unit.test_scripted_daemon import write
 
     def start() -> tuple[Daemon, int]:

@@ -14,7 +14,7 @@ from canaryd.backends import openai_wire as wire
 from canaryd.canaries import load_suites
 from canaryd.config import load_config
 from canaryd.observation import canonical_digest
-from tests.unit.loopback import Loopback, chat_body
+from tests.harness.loopback import Loopback, chat_body
 
 SUITE = """
 [suite]

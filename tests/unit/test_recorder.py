@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from pathlib import Path
 
 import structlog
 from rich.console import Console
@@ -26,10 +25,10 @@ from canaryd.report.html import load_run, stack_section
 from canaryd.report.pin import Pin, PinnedBackend, check_pin
 from canaryd.report.record import build_record, to_markdown
 from canaryd.stack import RECORDER, RECORDER_FIELD, FieldChange, split
-from tests.unit.scripted_lab import scripted, verdicts
+from tests.harness import fixtures
+from tests.harness.scripted_lab import scripted, verdicts
 
-FIXTURES = Path(__file__).parents[1] / "fixtures"
-CHATS = sorted(FIXTURES.glob("providers/*/chat.json"))
+CHATS = sorted(fixtures.ROOT.glob("providers/*/chat.json"))
 # Each recorder version's digest of what canaryd records from the recorded bodies (`recorded_names`).
 DIGESTS = {"2": "57399d51893641f2"}
 # Names the secret rule decides on besides every key of the recorded bodies.
@@ -59,9 +58,8 @@ ARGV = ["--model", "m", "--dtype", "bfloat16", "--api-key", "k", "--hf-token", "
 ARGV += ["--ssl-keyfile", "/k", "--port", "8000"]
 
 
-def body(path: str) -> dict:
-    doc = json.loads((FIXTURES / path).read_text())
-    return doc.get("body", doc) if isinstance(doc, dict) else doc
+def body(name: str) -> dict | str:
+    return fixtures.load(name)["body"]
 
 
 def keys(value: object) -> set[str]:
@@ -73,15 +71,15 @@ def keys(value: object) -> set[str]:
 def recorded_names() -> list[str]:
     """Every stack field name canaryd records from the recorded bodies (engines' introspection, answers'
     headers and fields), a fixed environment and command line, and the secret rule's verdicts."""
-    models = body("engines/llamacpp/models.json")
+    models = body("engines/llamacpp/models")
     fields = {
-        **llamacpp.props_fields(body("engines/llamacpp/props.json")),
+        **llamacpp.props_fields(body("engines/llamacpp/props")),
         **llamacpp.models_fields(models, models["data"][0]["id"]),
-        **llamacpp.metrics_fields((FIXTURES / "engines/llamacpp/metrics.txt").read_text()),
-        **sglang.server_info_fields(body("engines/sglang/server_info.json")),
-        **sglang.model_info_fields(body("engines/sglang/model_info.json")),
-        **tgi.info_fields(body("engines/tgi/info.json")),
-        **ollama.show_fields(body("engines/ollama/show.json")),
+        **llamacpp.metrics_fields(body("engines/llamacpp/metrics")),
+        **sglang.server_info_fields(body("engines/sglang/server_info")),
+        **sglang.model_info_fields(body("engines/sglang/model_info")),
+        **tgi.info_fields(body("engines/tgi/info")),
+        **ollama.show_fields(body("engines/ollama/show")),
         **hostfacts.env_facts(ENVIRON),
         **engine_args.engine_fields(engine_args.parse_args(ARGV)),
         **stack.stamped({}),
@@ -90,13 +88,13 @@ def recorded_names() -> list[str]:
         openai_compat.Settings(name="p", kind="openai", base_url="http://127.0.0.1:9/v1", model="m")
     )
     try:
-        for answer in [*CHATS, FIXTURES / "shapes/litellm-chat.json"]:
+        for answer in [*CHATS, fixtures.ROOT / "shapes/litellm-chat.json"]:
             doc = json.loads(answer.read_text())
             headers = {k.lower(): v for k, v in doc.get("headers", {}).items()}
             fields.update(prober.response_stack(wire.parse_chat(doc["body"]), headers))
     finally:
         prober.close()
-    every = set(NAMES).union(*(keys(json.loads(f.read_text())) for f in FIXTURES.rglob("*.json")))
+    every = set(NAMES).union(*(keys(json.loads(f.read_text())) for f in fixtures.ROOT.rglob("*.json")))
     secret = sorted(f"secret:{n}" for n in every if hostfacts.is_secret_name(n))
     headers = sorted(f"header:{h}" for h in RECORDED_HEADERS | set(GATEWAY_HEADERS.values()))
     return sorted(fields) + headers + secret

@@ -25,7 +25,7 @@ from canaryd.judge.reference import (
     token_divergence,
 )
 from canaryd.observation import TokenLogprob
-from tests.unit.scripted_lab import PLAIN, ScriptedLab, by_id, change, scripted, verdicts
+from tests.harness.scripted_lab import PLAIN, ScriptedLab, by_id, change, scripted, verdicts
 
 
 def tok(lp: float, *top: float, tid: int | None = None) -> TokenLogprob:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import pytest
 
@@ -15,27 +14,21 @@ from canaryd.backends import openai_compat
 from canaryd.backends.refusals import classify
 from canaryd.canaries import load_suites
 from canaryd.observation import ErrorKind
+from tests.harness.fixtures import every, load, read
 
-FIXTURES = Path(__file__).parent.parent / "fixtures" / "refusals"
-CASES = sorted(FIXTURES.glob("*.json"))
-
-
-def load(path: Path) -> dict:
-    doc = json.loads(path.read_text())
-    assert doc["_source"].strip(), path
-    return doc
+CASES = every("refusals")
 
 
 def test_every_family_the_issue_names_has_a_recorded_body():
     names = {p.stem for p in CASES}
     for family in ("openai", "azure", "groq", "mistral", "xai", "anthropic", "gemini"):
         assert any(n.startswith(family) for n in names), family
-    assert sum(load(p)["expect"]["kind"] == "config" for p in CASES) >= 12
+    assert sum(read(p)["expect"]["kind"] == "config" for p in CASES) >= 12
 
 
 @pytest.mark.parametrize("path", CASES, ids=[p.stem for p in CASES])
 def test_a_recorded_body_is_classified_as_its_fixture_says(path):
-    doc = load(path)
+    doc = read(path)
     expect = doc["expect"]
     kind, message = classify(doc["status"], json.dumps(doc["body"]), "o4")
     assert kind is ErrorKind(expect["kind"]), message
@@ -52,7 +45,7 @@ def test_a_recorded_body_is_classified_as_its_fixture_says(path):
 
 
 def test_the_message_of_the_issue():
-    doc = load(FIXTURES / "openai-max-tokens.json")
+    doc = load("refusals/openai-max-tokens")
     assert classify(400, json.dumps(doc["body"]), "o4") == (
         ErrorKind.CONFIG,
         "backend 'o4': HTTP 400 unsupported_parameter: the server refuses max_tokens; "
@@ -102,7 +95,7 @@ class _Refusing(BaseHTTPRequestHandler):
 
 
 def test_the_openai_kind_stores_a_refusal_as_a_config_error(tmp_path):
-    doc = load(FIXTURES / "openai-max-tokens.json")
+    doc = load("refusals/openai-max-tokens")
     handler = type("H", (_Refusing,), {"body": json.dumps(doc["body"]).encode(), "status": 400})
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()

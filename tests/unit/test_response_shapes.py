@@ -6,9 +6,7 @@ field and Azure's identity headers."""
 from __future__ import annotations
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,50 +17,36 @@ from canaryd.backends import openai_wire as wire
 from canaryd.canaries import Canary
 from canaryd.observation import ErrorKind
 from canaryd.probe import vet
+from tests.harness.fixtures import every, load, read
+from tests.harness.replay import Server
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "shapes"
 CANARY = Canary(id="add", messages=[{"role": "user", "content": "What is 17 + 25? Answer with the number."}])
 
 
 def fixture(name: str) -> dict:
-    return json.loads((FIXTURES / f"{name}.json").read_text())
+    return load(f"shapes/{name}")
 
 
-class Replay:
+class Replay(Server):
     """Answers ``POST /<fixture>/v1/...`` with the fixture's status, headers and body; records requests."""
 
     def __init__(self) -> None:
         self.requests: list[tuple[str, dict]] = []
-        replay = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                replay.requests.append((self.path, json.loads(body)))
-                doc = fixture(self.path.split("/")[1])
-                out = json.dumps(doc["body"]).encode()
-                self.send_response(doc["status"])
-                for k, v in {"Content-Type": "application/json", **doc["headers"]}.items():
-                    self.send_header(k, v)
-                self.send_header("Content-Length", str(len(out)))
-                self.end_headers()
-                self.wfile.write(out)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        super().__init__()
 
     def base(self, name: str) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}/{name}/v1"
+        return f"{self.url}/{name}/v1"
+
+    def _answer(self, method: str, url: str, headers: Any, raw: bytes) -> tuple[int, dict[str, str], Any]:
+        self.requests.append((url, json.loads(raw)))
+        doc = fixture(url.split("/")[1])
+        return doc["status"], doc["headers"], doc["body"]
 
 
 @pytest.fixture(scope="module")
 def replay():
-    r = Replay()
-    yield r
-    r.server.shutdown()
+    with Replay() as r:
+        yield r
 
 
 def probe(replay: Replay, name: str, kind=compat, preset: str | None = None, **request: object):
@@ -82,8 +66,8 @@ def probe(replay: Replay, name: str, kind=compat, preset: str | None = None, **r
 
 
 def test_every_fixture_names_its_source():
-    for path in FIXTURES.glob("*.json"):
-        assert json.loads(path.read_text())["_source"].strip(), path.name
+    for path in every("shapes"):
+        assert read(path)["_source"].strip(), path.name
 
 
 def test_legacy_logprob_lists_inside_a_chat_response_are_parsed(replay):

@@ -17,7 +17,7 @@ from prometheus_client import generate_latest
 
 from canaryd.config import load_config
 from canaryd.daemon.service import Daemon
-from tests.unit.scripted_lab import PLAIN, change, free_port, scripted
+from tests.harness.scripted_lab import PLAIN, change, free_port, scripted
 
 IDS = ["add", "capital", "colors"]
 EXTRA = """

@@ -17,7 +17,7 @@ import pytest
 from canaryd.judge.stats import DetectorState, min_out_for
 from canaryd.probe.calibrate import calibrate
 from canaryd.store import Store
-from tests.unit.scripted_lab import ScriptedLab, by_id, change, scripted, verdicts
+from tests.harness.scripted_lab import ScriptedLab, by_id, change, scripted, verdicts
 
 K = 30
 IDS = [f"c{i}" for i in range(6)]

@@ -13,7 +13,7 @@ import pytest
 
 from canaryd.daemon.metrics import Metrics
 from canaryd.observation import ErrorKind
-from tests.unit.scripted_lab import by_id, change, scripted, verdicts
+from tests.harness.scripted_lab import by_id, change, scripted, verdicts
 
 IDS = ["add", "capital", "colors"]
 

@@ -12,7 +12,7 @@ import pytest
 
 from canaryd.observation import ErrorKind
 from canaryd.probe.run import run_pass
-from tests.unit.scripted_lab import ScriptedLab, by_id, change, scripted, verdicts
+from tests.harness.scripted_lab import ScriptedLab, by_id, change, scripted, verdicts
 
 # Two plans after canaries/chained.toml: extract the terms → map the facts onto them → answer.
 CHAINS = """

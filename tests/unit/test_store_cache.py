@@ -19,7 +19,7 @@ from canaryd.judge.compare import compare
 from canaryd.judge.stats import fit
 from canaryd.observation import Observation
 from canaryd.store import Reads, Store
-from tests.unit.scripted_lab import ScriptedLab, by_id, change, scripted, verdicts
+from tests.harness.scripted_lab import ScriptedLab, by_id, change, scripted, verdicts
 from tests.unit.test_store_fleet import counts, make_obs
 
 # A statement reading baseline or calibration rows (the generation statement reads only aggregates).

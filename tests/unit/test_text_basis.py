@@ -23,7 +23,7 @@ from canaryd.judge.stats import DetectorState, NoiseModel, fit, min_out_for
 from canaryd.observation import Observation
 from canaryd.probe.calibrate import calibrate
 from canaryd.report.record import build_record, to_markdown
-from tests.unit.scripted_lab import ScriptedLab, by_id, change, scripted, verdicts
+from tests.harness.scripted_lab import ScriptedLab, by_id, change, scripted, verdicts
 
 IDS = ["add", "capital", "colors"]
 

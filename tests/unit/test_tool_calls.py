@@ -17,9 +17,9 @@ from canaryd.errors import InputError
 from canaryd.judge.compare import compare
 from canaryd.observation import Observation, ToolCall
 from canaryd.toolcalls import ExpectedCall, check_call, schema_problem, violation
-from tests.unit.scripted_lab import ScriptedLab, by_id, change, scripted, verdicts
+from tests.harness.fixtures import ROOT, every, read
+from tests.harness.scripted_lab import ScriptedLab, by_id, change, scripted, verdicts
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "toolcalls"
 WEATHER = {
     "type": "object",
     "properties": {
@@ -221,14 +221,14 @@ def test_tools_need_a_chat_canary_and_an_expected_call_needs_tools(tmp_path):
 
 
 def fixtures() -> list[Path]:
-    found = sorted(FIXTURES.glob("*.json"))
-    assert len(found) >= 4, f"recorded tool-call shapes missing under {FIXTURES}"
+    found = every("toolcalls")
+    assert len(found) >= 4, f"recorded tool-call shapes missing under {ROOT / 'toolcalls'}"
     return found
 
 
 @pytest.mark.parametrize("path", fixtures(), ids=lambda p: p.stem)
 def test_recorded_provider_shapes_parse_to_the_call_they_carry(path):
-    doc = json.loads(path.read_text())
+    doc = read(path)
     assert "https://" in doc["_source"], "every recorded body names where it comes from"
     parse = wire.parse_responses if doc.get("api") == "responses" else wire.parse_chat
     parsed = parse(doc["body"])

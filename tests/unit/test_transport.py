@@ -1,4 +1,4 @@
-"""The HTTP kinds' single attempt against a misbehaving loopback server (`tests.unit.loopback`): ``timeout_s``
+"""The HTTP kinds' single attempt against a misbehaving loopback server (harness loopback): ``timeout_s``
 is a deadline for the whole request however the server drips, a body is never read past
 ``max_response_bytes``, every failure keeps its error kind, and the request on the wire did not change when
 the openai SDK left the probe path. Also the retries' stop (`Resilient.stopping`).
@@ -22,7 +22,7 @@ from canaryd.backends.openai_compat import Settings as OpenAISettings
 from canaryd.backends.vllm_server import Settings as VLLMSettings
 from canaryd.canaries import Canary
 from canaryd.observation import ErrorKind
-from tests.unit.loopback import BIG, Loopback
+from tests.harness.loopback import BIG, Loopback
 
 CHAT = Canary(id="c", messages=[{"role": "user", "content": "hi é"}], suite="s", decoding={"seed": 3})
 RAW = Canary(id="r", prompt="The colors", suite="s")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx2
 
-from tests.unit.scripted_lab import free_port, scripted
+from tests.harness.scripted_lab import free_port, scripted
 
 SLOW = "^(a|a)*$"  # backtracks catastrophically in `regex` too (the issue's ^(a+)+$ it optimises)
 SLOW_ANSWER = "a" * 40 + "!"

@@ -1,4 +1,5 @@
-"""Cloud providers replayed on loopback from recorded response and error bodies (no network needed).
+"""Cloud providers replayed on loopback from recorded response and error bodies (no network needed): the
+provider route table of the replay core (`tests.harness.replay`).
 
 Each family (`FAMILIES`: a folder under ``tests/fixtures/providers``, one JSON file per recorded body, each
 naming its ``_source``) is served under its own prefix: ``{replay.base("groq")}/chat/completions``. A small
@@ -20,21 +21,29 @@ import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
-FIXTURES = Path(__file__).parent / "fixtures" / "providers"
-FAMILIES = tuple(sorted(p.name for p in FIXTURES.iterdir() if p.is_dir()))
+from tests.harness.fixtures import ROOT, load
+from tests.harness.replay import (
+    Server,
+    answer_for,
+    entries,
+    logprobs,
+    prompt_of,
+    prompt_tokens,
+    tokens,
+    top_k,
+)
+
+FAMILIES = tuple(sorted(p.name for p in (ROOT / "providers").iterdir() if p.is_dir()))
 KEY = "sk-replay-0123456789"  # the key every family expects (a wrong one gets the recorded 401)
-DEFAULT_ANSWER = "OK"
 # Reasoning tokens the reasoning families spend per answer, by reasoning_effort (medium is the default).
 EFFORT = {"minimal": 16, "low": 64, "medium": 192, "high": 640}
 
 
 def fixture(family: str, name: str) -> dict:
     """A recorded body: ``status``, ``headers`` and ``body`` (``_source`` and ``_note`` say where from)."""
-    return json.loads((FIXTURES / family / f"{name}.json").read_text())
+    return load(f"providers/{family}/{name}")
 
 
 @dataclass
@@ -154,7 +163,7 @@ LOGPROBS = frozenset({"openai-chat", "openai-responses", "together", "deepseek"}
 REASONING = frozenset({"openai-reasoning"})
 
 
-class Replay:
+class Replay(Server):
     """The replay server: ``answers`` maps a prompt substring to the answer text (else `DEFAULT_ANSWER`)."""
 
     def __init__(self, answers: dict[str, str] | None = None) -> None:
@@ -162,32 +171,7 @@ class Replay:
         self.shift = Shift()
         self.requests: list[Got] = []
         self._lock = threading.Lock()
-        replay = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-            def do_POST(self) -> None:
-                raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                status, headers, body = replay._answer(self.path, self.headers, raw)
-                out = json.dumps(body).encode()
-                self.send_response(status)
-                for k, v in {"Content-Type": "application/json", **headers}.items():
-                    self.send_header(k, v)
-                self.send_header("Content-Length", str(len(out)))
-                self.end_headers()
-                self.wfile.write(out)
-
-            do_GET = do_POST
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-        self._thread.start()
+        super().__init__()
 
     def base(self, family: str) -> str:
         """The ``base_url`` of a replayed family."""
@@ -210,18 +194,8 @@ class Replay:
         """Tokens the answers' usage reported (what the provider would bill)."""
         return sum(g.tokens for g in self.got(family))
 
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-
-    def __enter__(self) -> Replay:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     # -- answering ----------------------------------------------------------------------------------
-    def _answer(self, url: str, headers: Any, raw: bytes) -> tuple[int, dict[str, str], Any]:
+    def _answer(self, method: str, url: str, headers: Any, raw: bytes) -> tuple[int, dict[str, str], Any]:
         m = re.match(r"^/([^/]+)/v1(/.*)$", url)
         family, path = (m.group(1), m.group(2)) if m else ("", url)
         try:
@@ -239,10 +213,10 @@ class Replay:
             with self._lock:
                 shift = self.shift
             status, hdrs, doc = self._play(family, Asked(path, body), shift, url)
-        tokens = _total(doc) if status == 200 else 0
+        cost = _total(doc) if status == 200 else 0
         with self._lock:
             lowered = {k.lower(): v for k, v in headers.items()}
-            self.requests.append(Got(family, "POST", path, lowered, body, status, tokens))
+            self.requests.append(Got(family, method, path, lowered, body, status, cost))
         return status, hdrs, doc
 
     def _play(self, family: str, asked: Asked, shift: Shift, url: str) -> tuple[int, dict, Any]:
@@ -270,37 +244,13 @@ class Replay:
         return 200, rec["headers"], fill(family, doc, asked.body, self._text_for(asked.body, shift), shift)
 
     def _text_for(self, body: dict, shift: Shift) -> str:
-        prompt = _prompt(body)
-        for table in (shift.answer, self.answers):
-            for key, answer in table.items():
-                if key in prompt:
-                    return answer
-        return DEFAULT_ANSWER
+        return answer_for(prompt_of(body), shift.answer, self.answers)
 
 
 # -- filling a recorded answer in ---------------------------------------------------------------------
-def _prompt(body: dict) -> str:
-    """The user's text: the last message, the raw prompt, or the Responses API's input."""
-    if isinstance(body.get("messages"), list) and body["messages"]:
-        content = body["messages"][-1].get("content", "")
-        return content if isinstance(content, str) else json.dumps(content)
-    for key in ("prompt", "input"):
-        value = body.get(key)
-        if isinstance(value, str):
-            return value
-        if isinstance(value, list):
-            return json.dumps(value)
-    return ""
-
-
-def _tokens(text: str) -> list[str]:
-    """The answer's tokens: a word each (with its leading space), as a tokenizer would cut simple text."""
-    return re.findall(r"\s*\S+", text) or [text]
-
-
 def _usage(family: str, body: dict, answer: list[str], shift: Shift) -> tuple[int, int, int, bool]:
     """(prompt tokens, reasoning tokens, answer tokens shown, cut by the limit) for one answer."""
-    prompt = 8 + len(_prompt(body).split()) + shift.prompt_tokens
+    prompt = prompt_tokens(prompt_of(body)) + shift.prompt_tokens
     if family not in REASONING:
         return prompt, 0, len(answer), False
     effort = (body.get("reasoning") or {}).get("effort") or body.get("reasoning_effort") or "medium"
@@ -311,47 +261,20 @@ def _usage(family: str, body: dict, answer: list[str], shift: Shift) -> tuple[in
     return prompt, reasoning, len(answer), False
 
 
-def _logprobs(tokens: list[str], top: int, shift: Shift) -> list[tuple[str, float, list[tuple[str, float]]]]:
-    """Deterministic logprobs: token i gets -0.01·(i+1), its alternatives one nat apart below it."""
-    out = []
-    for i, tok in enumerate(tokens):
-        lp = round(-0.01 * (i + 1) + shift.logprob, 6)
-        alts = [(tok, lp)] + [(f"{tok.strip()}~{j}", lp - j) for j in range(1, top)]
-        out.append((tok, lp, alts[:top]))
-    return out
-
-
-def _k(body: dict) -> int:
-    top = body.get("top_logprobs")
-    return max(0, min(int(top), 20)) if isinstance(top, int) and not isinstance(top, bool) else 0
-
-
 def _chat(family: str, doc: dict, body: dict, text: str, shift: Shift) -> dict:
     doc = copy.deepcopy(doc)
-    answer = _tokens(text)
+    answer = tokens(text)
     prompt, reasoning, shown, cut = _usage(family, body, answer, shift)
     answer = answer[:shown]
     choice = doc["choices"][0]
     choice["message"]["content"] = "".join(answer)
     choice["finish_reason"] = "length" if cut else choice["finish_reason"]
     if family in LOGPROBS and body.get("logprobs"):
-        lps = _logprobs(answer, _k(body), shift)
+        lps = logprobs(answer, top_k(body), shift.logprob)
         if family == "together":  # the legacy parallel lists, inside a chat response
             choice["logprobs"] = {"tokens": [t for t, _, _ in lps], "token_logprobs": [v for _, v, _ in lps]}
         else:
-            choice["logprobs"] = {
-                "content": [
-                    {
-                        "token": t,
-                        "logprob": v,
-                        "bytes": list(t.encode()),
-                        "top_logprobs": [
-                            {"token": a, "logprob": x, "bytes": list(a.encode())} for a, x in top
-                        ],
-                    }
-                    for t, v, top in lps
-                ]
-            }
+            choice["logprobs"] = {"content": entries(answer, top_k(body), shift.logprob)}
     elif "logprobs" in choice:
         choice["logprobs"] = None
     _set_usage(doc["usage"], prompt, reasoning + len(answer), reasoning)
@@ -362,13 +285,13 @@ def _chat(family: str, doc: dict, body: dict, text: str, shift: Shift) -> dict:
 
 def _completion(family: str, doc: dict, body: dict, text: str, shift: Shift) -> dict:
     doc = copy.deepcopy(doc)
-    answer = _tokens(text)
+    answer = tokens(text)
     prompt, _, _, _ = _usage(family, body, answer, shift)
     choice = doc["choices"][0]
     choice["text"] = "".join(answer)
     k = body.get("logprobs")
     if family in LOGPROBS and isinstance(k, int) and not isinstance(k, bool):
-        lps = _logprobs(answer, max(1, min(k, 5)), shift)
+        lps = logprobs(answer, max(1, min(k, 5)), shift.logprob)
         choice["logprobs"] = {
             "tokens": [t for t, _, _ in lps],
             "token_logprobs": [v for _, v, _ in lps],
@@ -382,21 +305,13 @@ def _completion(family: str, doc: dict, body: dict, text: str, shift: Shift) -> 
 
 def _responses(family: str, doc: dict, body: dict, text: str, shift: Shift) -> dict:
     doc = copy.deepcopy(doc)
-    answer = _tokens(text)
+    answer = tokens(text)
     prompt, reasoning, shown, cut = _usage(family, body, answer, shift)
     answer = answer[:shown]
     part = doc["output"][0]["content"][0]
     part["text"] = "".join(answer)
     if "message.output_text.logprobs" in (body.get("include") or []):
-        part["logprobs"] = [
-            {
-                "token": t,
-                "logprob": v,
-                "bytes": list(t.encode()),
-                "top_logprobs": [{"token": a, "logprob": x, "bytes": list(a.encode())} for a, x in top],
-            }
-            for t, v, top in _logprobs(answer, _k(body), shift)
-        ]
+        part["logprobs"] = entries(answer, top_k(body), shift.logprob)
     else:
         part["logprobs"] = []
     doc["status"] = "incomplete" if cut else "completed"

@@ -1,6 +1,7 @@
 """A random load balancer on loopback: each request goes to one upstream, picked at random (seeded) by
 weight, the way a naive L7 balancer spreads an OpenAI-compatible endpoint over servers. Tests change the
-pool while it runs (``set_pool``) to add, drop or favour a server."""
+pool while it runs (``set_pool``) to add, drop or favour a server; the detection bench puts one in front of
+two servers whose numerics differ (its heterogeneous fleet)."""
 
 from __future__ import annotations
 
@@ -66,9 +67,14 @@ class Balancer:
             self._pool = dict(pool)
 
     def pick(self) -> int:
+        """The upstream of the next request. Equal weights draw a uniform index (``randrange``: the
+        detection bench's seeded split of its fleet depends on that draw)."""
         with self._lock:
             ports, weights = list(self._pool), list(self._pool.values())
-            port = self._rng.choices(ports, weights=weights)[0]
+            if len(set(weights)) == 1:
+                port = ports[self._rng.randrange(len(ports))]
+            else:
+                port = self._rng.choices(ports, weights=weights)[0]
             self.served[port] = self.served.get(port, 0) + 1
             return port
 

@@ -22,27 +22,7 @@ from canaryd.canaries import Canary, load_suites
 from canaryd.config import Config, load_config
 from canaryd.probe.run import BackendRun, plan, probe_backend
 from canaryd.store import Store
-
-# Canaries whose reference answers the scripted kind returns by default (``expect.answer``).
-PLAIN = """
-[suite]
-name = "plain"
-[defaults]
-max_tokens = 16
-[[canary]]
-id = "add"
-messages = [{ role = "user", content = "What is 17 + 25? Answer with the number only." }]
-expect = { number = 42, answer = "42" }
-[[canary]]
-id = "capital"
-messages = [{ role = "user", content = "What is the capital of France? Answer with one word." }]
-expect = { regex = "^paris\\\\.?$", answer = "Paris" }
-[[canary]]
-id = "colors"
-prompt = "The three primary colors of light are red, green and"
-decoding = { max_tokens = 5 }
-expect = { regex = "^ ?blue", answer = " blue" }
-"""
+from tests.harness.suites import PLAIN
 
 
 def free_port() -> int:
