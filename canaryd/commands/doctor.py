@@ -7,10 +7,13 @@ from typing import Annotated
 
 import typer
 
-from canaryd.commands import JsonFlag, console, emit, load
+from canaryd.commands import JsonFlag, commands, console, emit, load
 from canaryd.errors import EXIT_OK, EXIT_UNAVAILABLE
 
+app = commands()
 
+
+@app.command()
 def doctor(
     ctx: typer.Context,
     backend: Annotated[str, typer.Argument(help="The backend (its name in the config) to ask.")],

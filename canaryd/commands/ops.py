@@ -11,6 +11,7 @@ from canaryd.commands import JsonFlag, WholeHelpGroup, emit
 from canaryd.errors import EXIT_OK
 
 app = typer.Typer(
+    name="ops",
     help="Operations files shipped in the package.",
     no_args_is_help=True,
     rich_markup_mode=None,
