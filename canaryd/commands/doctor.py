@@ -1,5 +1,5 @@
 """``canaryd doctor BACKEND``: ask an endpoint what it accepts and returns, and print (or write) the request
-profile that follows (see `canaryd.doctor`)."""
+profile that follows (see `canaryd.backends.discover`)."""
 
 from __future__ import annotations
 
@@ -25,8 +25,9 @@ def doctor(
     """A few tiny requests (8 tokens each, spend printed first) that find what an endpoint accepts and
     returns (token parameter, sampling parameters, logprobs and how many, /completions, fingerprint, reasoning
     tokens); prints the findings and the matching [backends.request] profile. Exit 3 when unreachable."""
-    from canaryd import doctor as doc
+    from canaryd.backends import discover as doc
     from canaryd.backends.base import HttpSettings
+    from canaryd.backends.profile import insert_profile, to_toml
     from canaryd.log import to_stderr
 
     cfg = load(ctx)
@@ -54,9 +55,9 @@ def doctor(
         raise typer.Exit(EXIT_UNAVAILABLE) from None
     profile = doc.profile(found)
     preset = doc.preset_for(settings.base_url, found)
-    block = doc.to_toml(profile, backend, preset)
+    block = to_toml(profile, backend, preset)
     if write:
-        doc.insert_profile(cfg.path, backend, block, profile)
+        insert_profile(cfg.path, backend, block, profile)
     spent = {"requests": found.requests, "tokens": found.tokens}
     if as_json:
         emit(

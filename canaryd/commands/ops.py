@@ -26,7 +26,7 @@ def export(
     as_json: JsonFlag = False,
 ) -> None:
     """Write the alert rules and their tests, the Grafana dashboard, the systemd unit and the runbook."""
-    from canaryd.ops import export_files
+    from canaryd.scaffold import export_files
 
     written = export_files(dest, force=force)
     if as_json:
