@@ -369,13 +369,12 @@ def run_pass(
     """Probe each backend of ``work`` once, in parallel, store and judge everything; runs come back in
     ``work``'s order. ``backends``: built by the caller, every one of ``work`` and the references they name
     (`built`)."""
+    refs = {b: _reference_of(config, backends, b) for b in work}
+    if len(work) == 1:  # the daemon's way (a thread of its own per backend already): no second hop
+        ((b, canaries),) = work.items()
+        return [probe_backend(backends[b], canaries, store, config, refs[b])]
     with _workers("backend", max(1, len(work))) as ex:
-        futures = [
-            ex.submit(
-                probe_backend, backends[name], canaries, store, config, _reference_of(config, backends, name)
-            )
-            for name, canaries in work.items()
-        ]
+        futures = [ex.submit(probe_backend, backends[b], w, store, config, refs[b]) for b, w in work.items()]
         return [f.result() for f in futures]
 
 

@@ -221,7 +221,7 @@ def test_a_reference_is_one_backend_of_the_daemon_with_its_stop_event_and_its_br
     (tmp_path / "canaryd.toml").write_text(
         'state_dir = "state"\nsuites = ["plain.toml"]\n'
         + scripted(reference="ref")
-        + scripted("ref", retries=0, breaker_failures=2, breaker_cooldown="1h", body=failing)
+        + scripted("ref", retries=0, breaker_failures=3, breaker_cooldown="1h", body=failing)
         + '[[schedules]]\nname = "fast"\nevery = "1s"\nbackends = ["fake"]\n'
     )
     d = Daemon(tmp_path / "canaryd.toml", load_config(tmp_path / "canaryd.toml"))
@@ -240,7 +240,7 @@ def test_a_reference_is_one_backend_of_the_daemon_with_its_stop_event_and_its_br
     first, second = ({r.observation.canary_id: r.comparison for r in run.results} for run in runs)
     assert set(first) == set(second) == set(IDS)
     assert all("connect" in first[c].reference["error"] for c in IDS)
-    # the breaker opened in the first pass (2 failures in a row) and is still cooling down in the second
+    # the breaker opened in the first pass (3 failures in a row) and is still cooling down in the second
     for c in IDS:
         error = second[c].reference["error"]
         assert "circuit_open" in error and "cooling down" in error
