@@ -1,4 +1,5 @@
-"""What every command of the CLI shares: the global options, the config, the store, the console, JSON.
+"""The commands of the CLI, one module per topic, each command one function on its module's `commands`
+app (`canaryd.cli` lists them all), and what they share: the config, the store, the console, JSON.
 
 Deliberately light (the standard library and typer): ``canaryd --help``, ``--version`` and ``validate``
 must start in a fraction of a second, so a command imports the rest of canaryd (pydantic models, the
