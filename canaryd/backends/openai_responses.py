@@ -59,7 +59,7 @@ class Doctor(discover.Dialect):
     responses = True
     token_param = "max_output_tokens"
     fallback_token_param = None
-    max_tokens = wire.RESPONSES_MIN_OUTPUT
+    max_tokens = 16  # the API's smallest max_output_tokens
     sampling: ClassVar[dict[str, Any]] = {"temperature": 0.0, "top_p": 1.0}
     no_completions = "the Responses API has no raw-prompt endpoint"
     reasoning: ClassVar[dict[str, Any]] = {"reasoning": {"effort": "low"}}
