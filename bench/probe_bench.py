@@ -28,7 +28,7 @@ from canaryd.config import load_config  # noqa: E402
 from canaryd.daemon.service import Daemon  # noqa: E402
 from canaryd.lab.tinymodel import build_tiny_model  # noqa: E402
 from canaryd.lab.vllm_process import VLLMServer, free_port  # noqa: E402
-from canaryd.probe.run import run_pass  # noqa: E402
+from canaryd.probe.run import one_pass  # noqa: E402
 
 CONFIG = """
 state_dir = "state"
@@ -77,11 +77,11 @@ def main() -> None:
     config = load_config(work / "canaryd.toml")
     rows: list[tuple[str, str]] = []
     with VLLMServer(model, port=port, extra_args=["--enforce-eager"], log_path=work / "vllm.log"):
-        run_pass(config)  # baselines (and warm-up)
+        one_pass(config)  # baselines (and warm-up)
         wall, cpu, latencies, n = [], 0.0, [], 0
         for _ in range(args.passes):
             c0, t0 = time.process_time(), time.perf_counter()
-            results = run_pass(config)
+            results = [r for run in one_pass(config) for r in run.results]
             wall.append(time.perf_counter() - t0)
             cpu += time.process_time() - c0
             latencies += [r.observation.latency_s for r in results]

@@ -6,7 +6,7 @@ rounds that each take all three side by side (medians printed; the ratios are me
 
 * the floor: a bare POST of the same request body to the same server, plus ``json.loads`` of the answer;
 * the daemon path: `probe_backend` passes on one open store and backend (what each daemon cycle does);
-* the CLI path: `run_pass`, which ``canaryd check`` runs: suites, backends and store opened every time;
+* the CLI path: `one_pass`, which ``canaryd check`` runs: suites, backends and store opened every time;
 * one probe's phases, before (the per-probe calls a pass used to make: body built per request, baseline
   and calibration read per probe, a transaction per observation) and after (what a pass now calls).
 
@@ -41,7 +41,7 @@ from canaryd.backends import openai_wire as wire  # noqa: E402
 from canaryd.canaries import load_suites  # noqa: E402
 from canaryd.config import load_config  # noqa: E402
 from canaryd.judge.compare import compare  # noqa: E402
-from canaryd.probe.run import plan, probe_backend, run_pass  # noqa: E402
+from canaryd.probe.run import one_pass, plan, probe_backend  # noqa: E402
 from canaryd.store import Store  # noqa: E402
 
 TOKENS, TOP = 32, 5
@@ -176,7 +176,7 @@ def measure(config, args) -> dict:
     to make, which every revision has) and, where this revision has them, after."""
     canaries = plan(config, load_suites([s.path for s in config.suites]))["replay"]
     n, runs, passes = len(canaries), args.runs, args.passes
-    run_pass(config)  # baselines
+    one_pass(config)  # baselines
     backend = make_backend(config.backend("replay"))
     store = Store(config.storage_url)
     prober = backend.prober
@@ -196,7 +196,7 @@ def measure(config, args) -> dict:
     rounds = []  # the three side by side in each round, so that a busy moment weighs on all of them
     for _ in range(runs):
         f, d = cpu(floor_once, passes * n), cpu(daemon_once, passes) / n
-        rounds.append((f, d, cpu(lambda: run_pass(config), max(3, passes // 3)) / n))
+        rounds.append((f, d, cpu(lambda: one_pass(config), max(3, passes // 3)) / n))
     bare.close()
     floor, daemon, cli = (statistics.median(r[i] for r in rounds) for i in range(3))
     ratios = {key: statistics.median(r[i] / r[0] for r in rounds) for i, key in ((1, "daemon"), (2, "cli"))}
@@ -265,7 +265,7 @@ def report(now: dict, old: dict | None, args) -> None:
     for name, key in (
         ("floor: bare POST + json.loads", "floor"),
         ("daemon path (probe_backend)", "daemon"),
-        ("CLI check path (run_pass)", "cli"),
+        ("CLI check path (one_pass)", "cli"),
     ):
         print(f"  {name:<44} {line(name, now, key)}" + (f"   {line(name, old, key)}" if old else ""))
     source = f"before: {args.before}" if old else "before: the per-probe calls"

@@ -20,7 +20,7 @@ from rich.console import Console
 from canaryd.canaries import load_suite
 from canaryd.config import load_config
 from canaryd.judge.compare import Verdict
-from canaryd.probe.run import Result, run_pass
+from canaryd.probe.run import Result, one_pass
 from canaryd.progress import shown
 from canaryd.report.record import revert_rank, suggest
 from canaryd.report.tables import print_tables, results_table, stack_changes_table
@@ -80,7 +80,7 @@ def run_demo(workdir: Path, console: Console, progress: bool = True) -> int:
 
     def probed() -> list[Result]:
         with shown("probing", "canaries", enabled=progress):
-            return run_pass(config)
+            return [r for run in one_pass(config) for r in run.results]
 
     def show(title: str, results: list[Result]) -> dict[str, int]:
         console.rule(title)

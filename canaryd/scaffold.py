@@ -1,4 +1,7 @@
-"""`canaryd init`: a commented example config and a copy of the shipped default suite.
+"""The files canaryd writes out for others to read: `canaryd init`'s example config and default suite, and
+`canaryd ops export`'s operations files.
+
+`canaryd init`: a commented example config and a copy of the shipped default suite.
 
 With ``--url`` the server there is asked which engine it is (`canaryd.backends.detect`) and the config's one
 active backend is that engine's kind, with its base URL and the model it serves; the other kinds' blocks
@@ -6,6 +9,12 @@ stay as commented examples.
 
 They hold no secrets (API keys never go in the config) and the service's own user must read them, so unlike
 what else canaryd writes (private: `canaryd.files`) they are created 0644, in directories created 0755.
+
+`canaryd ops export`: the alert rules and their tests, the Grafana dashboard (and provisioning examples),
+the systemd unit and the runbook live in the repository's top-level folders; `canaryd/_shipped/` holds
+symlinks to them (one copy of each in git) and a built wheel holds their contents. So `pip install
+llm-canaryd` is enough to get them: no checkout, and the files always match the installed version's metrics
+and alerts. Other users (prometheus, grafana, systemd) read them too: 0644 and 0755 likewise.
 """
 
 from __future__ import annotations
@@ -14,7 +23,10 @@ import json
 import os
 import shutil
 import sys
-from pathlib import Path
+import tempfile
+from importlib.resources import files
+from importlib.resources.abc import Traversable
+from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
 from canaryd.backends import KINDS, examples
@@ -141,3 +153,58 @@ def _mkdir(directory: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     for d in missing:
         os.chmod(d, 0o755)
+
+
+def shipped() -> dict[PurePosixPath, Traversable]:
+    """Every shipped file by its repository-relative path (``prometheus/canaryd-alerts.yml``), sorted."""
+    found: dict[PurePosixPath, Traversable] = {}
+    todo = [(PurePosixPath(), files("canaryd") / "_shipped")]
+    while todo:
+        rel, node = todo.pop()
+        for child in node.iterdir():
+            if child.is_dir():
+                todo.append((rel / child.name, child))
+            else:
+                found[rel / child.name] = child
+    if not found:
+        raise InputError("the package holds no shipped operations files (reinstall llm-canaryd)")
+    return dict(sorted(found.items()))
+
+
+def export_files(dest: Path, force: bool = False) -> list[Path]:
+    """Write every shipped file under ``dest`` at its repository-relative path; return the paths written.
+
+    Nothing is written if any target exists and ``force`` is false, so a refused export leaves no half-set.
+    With ``force`` a target is replaced (a symlink there is replaced, not followed).
+    """
+    sources = shipped()
+    targets = {rel: dest.joinpath(*rel.parts) for rel in sources}
+    if dest.exists() and not dest.is_dir():
+        raise InputError(f"{dest}: not a directory")
+    if not force:
+        taken = [t for t in targets.values() if os.path.lexists(t)]
+        if taken:
+            more = f" (and {len(taken) - 1} more)" if len(taken) > 1 else ""
+            raise InputError(f"{taken[0]}: already exists{more} (use --force to overwrite)")
+    for rel, target in targets.items():
+        try:
+            _mkdir(target.parent)
+            _write(target, sources[rel].read_bytes())
+        except OSError as e:
+            culprit = e.filename2 or e.filename  # a rename's target, else the path the call failed on
+            where = f"{culprit}: {e.strerror}" if culprit and e.strerror else str(e)
+            raise InputError(f"{target}: cannot write ({where})") from None
+    return list(targets.values())
+
+
+def _write(target: Path, data: bytes) -> None:
+    """Write ``data`` to a temporary file beside ``target``, then rename it over: never half a file."""
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)
+    except BaseException:
+        os.unlink(tmp)
+        raise

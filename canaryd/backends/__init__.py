@@ -17,6 +17,7 @@ import importlib
 import threading
 from functools import cache
 from types import ModuleType
+from typing import Any
 
 from canaryd.backends.base import Backend, BackendSettings, BackendUnavailable, HttpSettings, Prober
 
@@ -28,6 +29,7 @@ __all__ = [
     "BackendUnavailable",
     "HttpSettings",
     "Prober",
+    "declared",
     "engine_version",
     "examples",
     "make_backend",
@@ -80,6 +82,11 @@ def make_backend(settings: BackendSettings, stopping: threading.Event | None = N
     from canaryd.backends.resilience import Resilient
 
     return Resilient(_module(settings.kind).Prober(settings), settings, stopping)
+
+
+def declared(kind: str, name: str, default: Any = None) -> Any:
+    """What a registered kind's module declares under ``name`` (``default`` where it declares nothing)."""
+    return getattr(_module(kind), name, default)
 
 
 def examples() -> list[str]:

@@ -233,6 +233,21 @@ class Prober:
             **kwargs,
         )
 
+    def post(self, url: str, body: dict) -> tuple[int, str]:
+        """``body`` POSTed as a probe's is (its wire form, the key, the deadline and the cap): the status
+        and the redacted text. No answer at all raises `ConnectionError` with its redacted cause, one line."""
+        try:
+            r = self.exchange("POST", url, content=wire_body(body), headers=JSON)
+        except (
+            transport.DeadlinePassed,
+            transport.TooLarge,
+            transport.BadEncoding,
+            httpx2.TransportError,
+        ) as e:
+            why = str(e).splitlines()[0] if str(e) else e.__class__.__name__
+            raise ConnectionError(self.redact(why)) from None
+        return r.status, self.redact(r.text)
+
     def redact(self, message: str) -> str:
         """Belt and braces: a server that echoes our key back must not get it into the store."""
         return message.replace(self._key, "<redacted>") if self._key else message

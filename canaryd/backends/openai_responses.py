@@ -12,9 +12,9 @@ https://platform.openai.com/docs/api-reference/responses/create
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from canaryd.backends import openai_compat
+from canaryd.backends import discover, openai_compat
 from canaryd.backends import openai_wire as wire
 from canaryd.backends.base import HttpSettings
 from canaryd.backends.openai_request import responses_body
@@ -50,3 +50,39 @@ class Prober(openai_compat.Prober):
 
     def route(self, canary: Canary) -> tuple[str, Callable[[Any], wire.Parsed]]:
         return f"{self.cfg.base_url}/responses", wire.parse_responses
+
+
+class Doctor(discover.Dialect):
+    """How `canaryd doctor` asks the Responses API: ``input`` and ``max_output_tokens`` (16 at least), no n,
+    penalties or seed, logprobs only when ``include`` asks for them, and no raw-prompt endpoint."""
+
+    path = "/responses"
+    responses = True
+    token_param = "max_output_tokens"
+    fallback_token_param = None
+    max_tokens = 16  # the API's smallest max_output_tokens
+    sampling: ClassVar[dict[str, Any]] = {"temperature": 0.0, "top_p": 1.0}
+    no_completions = "the Responses API has no raw-prompt endpoint"
+    reasoning: ClassVar[dict[str, Any]] = {"reasoning": {"effort": "low"}}
+
+    def body(self, model: str, token_param: str, **extra: Any) -> dict:
+        return {"model": model, "input": discover.PROMPT, token_param: self.max_tokens, **extra}
+
+    def ask_logprobs(self) -> dict[str, Any]:
+        return {"include": ["message.output_text.logprobs"], "top_logprobs": 20}
+
+    def logprobs(self, doc: Any) -> Any:
+        parts = [p.get("logprobs") for p in _output_text(doc)]
+        return {"content": [e for part in parts if isinstance(part, list) for e in part]}
+
+
+DOCTOR = Doctor()
+
+
+def _output_text(doc: Any) -> list[dict]:
+    """The ``output_text`` parts of a Responses API answer."""
+    items = doc.get("output") if isinstance(doc, dict) else None
+    parts = [
+        c for i in items or () if isinstance(i, dict) for c in i.get("content") or () if isinstance(c, dict)
+    ]
+    return [p for p in parts if p.get("type") == "output_text"]

@@ -6,17 +6,24 @@ reasoning models take ``max_completion_tokens`` and no temperature, Groq refuses
 ``preset`` (one per family, `PRESETS`) and/or a ``[backends.request]`` table (a `RequestProfile`); explicit
 keys override the preset's. The effective profile is hashed into the stack field ``request.profile``, so
 changing it is a stack change (the canary's baseline key, `Prober.request_hash`, does not move).
+
+`to_toml` and `insert_profile` write a profile (the one `canaryd doctor` measures) into a config file's
+backend block, leaving every other byte of the file as it was.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
+import tomllib
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 
+from canaryd.errors import InputError
 from canaryd.fields import Strict
 
 # Request parameters a profile may leave out (the model and the prompt are always sent).
@@ -174,3 +181,85 @@ def without_completions(config: Any, suites: Iterable[Any], only: str | None = N
                         "messages, or leave the backend out of the suite's backends"
                     )
     return None
+
+
+# -- the profile in a config file ----------------------------------------------------------------------------
+def _value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)  # a JSON string is a TOML basic string
+    if isinstance(v, list):
+        return "[" + ", ".join(_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        keys = (k if re.fullmatch(r"[A-Za-z0-9_-]+", k) else json.dumps(k) for k in v)
+        return "{ " + ", ".join(f"{k} = {_value(x)}" for k, x in zip(keys, v.values(), strict=True)) + " }"
+    raise TypeError(f"no TOML form for {type(v).__name__}")
+
+
+def to_toml(p: dict[str, Any], backend: str, preset: str | None = None) -> str:
+    lines = ["[backends.request]", f"# measured by `canaryd doctor {backend}`; these keys override a preset"]
+    if preset:
+        lines.append(f'# the closest named preset (by host) is preset = "{preset}"')
+    lines += [f"{k} = {_value(v)}" for k, v in p.items()]
+    return "\n".join(lines) + "\n"
+
+
+_HEADER = re.compile(r"^[ \t]*\[(\[)?[ \t]*([^\[\]#]+?)[ \t]*\]\]?[ \t]*(#.*)?$")
+
+
+def _key(line: str) -> tuple[bool, str] | None:
+    """(array table?, dotted key without spaces or quotes) of a table header line, else None."""
+    m = _HEADER.match(line.rstrip("\r\n"))
+    if not m:
+        return None
+    return bool(m.group(1)), re.sub(r"[ \t\"']", "", m.group(2))
+
+
+def insert_profile(path: Path, backend: str, block: str, p: dict[str, Any]) -> None:
+    """Write ``block`` as the backend's ``[backends.request]`` table, replacing one that is there; every
+    other line stays byte for byte. The result is parsed again and must be the old document with exactly
+    that table set, else nothing is written (`InputError`: paste the block by hand)."""
+    text = path.read_text(encoding="utf-8")
+    doc = tomllib.loads(text)
+    names = [b.get("name") for b in doc.get("backends", [])]
+    index = names.index(backend)
+    lines = text.splitlines(keepends=True)
+    heads = [(i, k) for i, line in enumerate(lines) if (k := _key(line)) is not None]
+    starts = [i for i, (array, key) in heads if array and key == "backends"]
+    if len(starts) != len(names):
+        raise InputError(f"{path}: backend {backend!r} is not a [[backends]] table; paste the block by hand")
+    start = starts[index]
+    end = next((i for i, (_, key) in heads if i > start and not key.startswith("backends.")), len(lines))
+    own = [(i, key) for i, (_, key) in heads if start < i < end]
+    drop = set()
+    for n, (i, key) in enumerate(own):
+        if key == "backends.request" or key.startswith("backends.request."):
+            stop = own[n + 1][0] if n + 1 < len(own) else end
+            drop.update(range(i, stop))
+    kept = [line for i, line in enumerate(lines[start:end], start) if i not in drop]
+    while kept and not kept[-1].strip():
+        kept.pop()
+    newline = "\r\n" if lines and lines[0].endswith("\r\n") else "\n"
+    if kept and not kept[-1].endswith(("\n", "\r")):
+        kept[-1] += newline
+    tail = lines[end:]
+    section = [*kept, newline, *block.replace("\n", newline).splitlines(keepends=True)]
+    if tail:
+        section.append(newline)
+    new = "".join(lines[:start] + section + tail)
+    expected = json.loads(json.dumps(doc, default=str))
+    expected["backends"][index]["request"] = p
+    try:
+        got = json.loads(json.dumps(tomllib.loads(new), default=str))
+    except tomllib.TOMLDecodeError:
+        got = None
+    if got != expected:
+        raise InputError(f"{path}: cannot place [backends.request] for {backend!r} safely; paste it by hand")
+    mode = path.stat().st_mode & 0o7777
+    tmp = path.with_name(f".{path.name}.doctor")
+    tmp.write_text(new, encoding="utf-8", newline="")
+    tmp.chmod(mode)
+    tmp.replace(path)

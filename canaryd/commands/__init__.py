@@ -1,4 +1,5 @@
-"""What every command of the CLI shares: the global options, the config, the store, the console, JSON.
+"""The commands of the CLI, one module per topic, each command one function on its module's `commands`
+app (`canaryd.cli` lists them all), and what they share: the config, the store, the console, JSON.
 
 Deliberately light (the standard library and typer): ``canaryd --help``, ``--version`` and ``validate``
 must start in a fraction of a second, so a command imports the rest of canaryd (pydantic models, the
@@ -10,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -26,8 +27,6 @@ if TYPE_CHECKING:
     from canaryd.store import Store
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
-# Global options, accepted before or after the subcommand (`hoist_global_options`).
-_GLOBAL_VALUED = ("-c", "--config", "--log-level")
 
 
 class WholeHelpGroup(TyperGroup):
@@ -44,36 +43,16 @@ class WholeHelpGroup(TyperGroup):
                 formatter.write_dl(rows)
 
 
+def commands() -> typer.Typer:
+    """The app of one commands module: its commands join ``canaryd``'s own list (`canaryd.cli`), in the
+    order they are defined, so that a new command is one function here and nothing else."""
+    return typer.Typer(rich_markup_mode=None)
+
+
 class State:
     config_path: Path | None = None
     log_level: str | None = None
     help_asked = False  # `--help` anywhere: nothing runs, so nothing logs
-
-
-def hoist_global_options(argv: Sequence[str], runs_a_command: Sequence[str] = ()) -> list[str]:
-    """``argv`` with the global options moved before the subcommand, wherever they were, so that
-    ``canaryd validate -c FILE`` means ``canaryd -c FILE validate``. Nothing after ``--`` moves; after a
-    command that runs a command of its own (``preflight``), only what comes before its ``--``."""
-    args = list(argv)
-    front: list[str] = []
-    rest: list[str] = []
-    command: str | None = None
-    i = 0
-    while i < len(args):
-        a = args[i]
-        if a == "--" or (command in runs_a_command and "--" not in args[i:]):
-            rest.extend(args[i:])
-            break
-        if a.split("=", 1)[0] in _GLOBAL_VALUED:
-            n = 1 if "=" in a else 2
-            front.extend(args[i : i + n])
-            i += n
-            continue
-        if command is None and not a.startswith("-"):
-            command = a
-        rest.append(a)
-        i += 1
-    return front + rest
 
 
 def load(ctx: typer.Context) -> Config:

@@ -9,7 +9,9 @@ import typer
 from canaryd.commands import JsonFlag, WholeHelpGroup, console, load, show_progress, store_of
 from canaryd.errors import InputError
 
-app = typer.Typer(help="Manage baselines.", no_args_is_help=True, rich_markup_mode=None, cls=WholeHelpGroup)
+app = typer.Typer(
+    name="baseline", help="Manage baselines.", no_args_is_help=True, rich_markup_mode=None, cls=WholeHelpGroup
+)
 
 
 @app.command("accept")

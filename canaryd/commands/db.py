@@ -10,6 +10,7 @@ from canaryd.commands import JsonFlag, WholeHelpGroup, load
 from canaryd.errors import EXIT_DRIFT, EXIT_OK
 
 app = typer.Typer(
+    name="db",
     help="The history database's schema (Alembic migrations).",
     no_args_is_help=True,
     rich_markup_mode=None,

@@ -1,5 +1,5 @@
 """``canaryd doctor BACKEND``: ask an endpoint what it accepts and returns, and print (or write) the request
-profile that follows (see `canaryd.doctor`)."""
+profile that follows (see `canaryd.backends.discover`)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,13 @@ from typing import Annotated
 
 import typer
 
-from canaryd.commands import JsonFlag, console, emit, load
+from canaryd.commands import JsonFlag, commands, console, emit, load
 from canaryd.errors import EXIT_OK, EXIT_UNAVAILABLE
 
+app = commands()
 
+
+@app.command()
 def doctor(
     ctx: typer.Context,
     backend: Annotated[str, typer.Argument(help="The backend (its name in the config) to ask.")],
@@ -22,8 +25,9 @@ def doctor(
     """A few tiny requests (8 tokens each, spend printed first) that find what an endpoint accepts and
     returns (token parameter, sampling parameters, logprobs and how many, /completions, fingerprint, reasoning
     tokens); prints the findings and the matching [backends.request] profile. Exit 3 when unreachable."""
-    from canaryd import doctor as doc
+    from canaryd.backends import discover as doc
     from canaryd.backends.base import HttpSettings
+    from canaryd.backends.profile import insert_profile, to_toml
     from canaryd.log import to_stderr
 
     cfg = load(ctx)
@@ -51,9 +55,9 @@ def doctor(
         raise typer.Exit(EXIT_UNAVAILABLE) from None
     profile = doc.profile(found)
     preset = doc.preset_for(settings.base_url, found)
-    block = doc.to_toml(profile, backend, preset)
+    block = to_toml(profile, backend, preset)
     if write:
-        doc.insert_profile(cfg.path, backend, block, profile)
+        insert_profile(cfg.path, backend, block, profile)
     spent = {"requests": found.requests, "tokens": found.tokens}
     if as_json:
         emit(

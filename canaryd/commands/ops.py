@@ -11,6 +11,7 @@ from canaryd.commands import JsonFlag, WholeHelpGroup, emit
 from canaryd.errors import EXIT_OK
 
 app = typer.Typer(
+    name="ops",
     help="Operations files shipped in the package.",
     no_args_is_help=True,
     rich_markup_mode=None,
@@ -25,7 +26,7 @@ def export(
     as_json: JsonFlag = False,
 ) -> None:
     """Write the alert rules and their tests, the Grafana dashboard, the systemd unit and the runbook."""
-    from canaryd.ops import export_files
+    from canaryd.scaffold import export_files
 
     written = export_files(dest, force=force)
     if as_json:

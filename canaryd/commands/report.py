@@ -7,10 +7,13 @@ from typing import Annotated
 
 import typer
 
-from canaryd.commands import JsonFlag, emit, load, reader_of
+from canaryd.commands import JsonFlag, commands, emit, load, reader_of
 from canaryd.errors import EXIT_OK
 
+app = commands()
 
+
+@app.command()
 def report(
     ctx: typer.Context,
     runs: Annotated[list[int], typer.Argument(help="Run ids: each diffed against the one before.")],

@@ -28,7 +28,6 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -39,17 +38,17 @@ from apscheduler.triggers.cron import CronTrigger
 from apscheduler.triggers.date import DateTrigger
 from apscheduler.triggers.interval import IntervalTrigger
 
-from canaryd.backends import make_backend
-from canaryd.canaries import Canary, load_suites
+from canaryd.canaries import Canary
 from canaryd.config import Config, ScheduleConfig, load_config
 from canaryd.daemon import sdnotify, signals
+from canaryd.daemon.generation import Generation
 from canaryd.daemon.httpserver import MetricsServer
 from canaryd.daemon.metrics import Metrics
-from canaryd.daemon.refused import Guarded
+from canaryd.daemon.tenure import Tenure
 from canaryd.errors import InputError
 from canaryd.probe.budget import over_budget
-from canaryd.probe.run import BackendRun, plan, probe_backend
-from canaryd.store import Store, lease_seconds, open_store
+from canaryd.probe.run import BackendRun, run_pass
+from canaryd.store import open_store
 
 log = structlog.get_logger("canaryd.daemon")
 
@@ -64,81 +63,6 @@ TAKEOVER_DELAY_S = 0.1
 # (`canaryd.store.leases`), so its pass is taken on time; a live holder's claim is refused, harmlessly.
 TAKEOVER_EARLY_S = 0.25
 TAKEOVER = "takeover:"  # the prefix of a takeover pass's job id
-
-
-@dataclass
-class Generation:
-    """Everything built from one config: backends and each schedule's work. Replaced whole on reload."""
-
-    config: Config
-    backends: dict[str, Guarded]
-    work: dict[str, dict[str, list[Canary]]]  # schedule -> backend -> canaries
-    lease_s: dict[str, float]  # backend -> how long a pass's claim lasts (its most frequent schedule's)
-    lead: dict[str, str]  # backend -> that schedule: the one a takeover pass runs
-    gap_s: dict[str, float]  # backend -> the longest wait between two passes of that schedule
-    interval_s: dict[str, float]  # schedule -> its interval
-    active: int = 0
-    retired: bool = False
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    @classmethod
-    def build(cls, config: Config, stopping: threading.Event | None = None) -> Generation:
-        """Validate everything a pass needs up front, so a bad reload never reaches the scheduler."""
-        suites = load_suites([s.path for s in config.suites], config.limits.suite_bytes)
-        names = {s.name for s in suites}
-        full = plan(config, suites)
-        work: dict[str, dict[str, list[Canary]]] = {}
-        for i, sched in enumerate(config.schedules):
-            for name in sched.suites or ():
-                if name not in names:
-                    raise InputError(f"{config.path}: schedules[{i}].suites: unknown suite {name!r}")
-            work[sched.name] = {
-                b: [c for c in canaries if sched.suites is None or c.suite in sched.suites]
-                for b, canaries in full.items()
-                if sched.backends is None or b in sched.backends
-            }
-        lease_s: dict[str, float] = {}
-        lead: dict[str, str] = {}
-        gap_s: dict[str, float] = {}
-        interval_s = {sched.name: sched.interval_s for sched in config.schedules}
-        for sched in config.schedules:
-            for b in work[sched.name]:
-                s = lease_seconds(sched.longest_gap_s, sched.jitter)
-                if s < lease_s.get(b, float("inf")):
-                    lease_s[b], lead[b], gap_s[b] = s, sched.name, sched.longest_gap_s
-        # each backend holds back what it refused as configured until this generation is replaced (reload)
-        backends = {b.name: Guarded(make_backend(b, stopping)) for b in config.backends}
-        return cls(config, backends, work, lease_s, lead, gap_s, interval_s)
-
-    def work_pairs(self) -> dict[str, set[str]]:
-        """Every backend with the ids of the canaries any schedule sends it."""
-        pairs: dict[str, set[str]] = {}
-        for per_backend in self.work.values():
-            for b, canaries in per_backend.items():
-                pairs.setdefault(b, set()).update(i for c in canaries for i in c.observed_ids())
-        return pairs
-
-    def acquire(self) -> None:
-        with self.lock:
-            self.active += 1
-
-    def release(self) -> None:
-        with self.lock:
-            self.active -= 1
-            done = self.retired and self.active == 0
-        if done:
-            self.close()
-
-    def retire(self) -> None:
-        with self.lock:
-            self.retired = True
-            idle = self.active == 0
-        if idle:
-            self.close()
-
-    def close(self) -> None:
-        for b in self.backends.values():
-            b.close()
 
 
 def run_daemon(path: Path, stop: threading.Event) -> None:
@@ -163,59 +87,6 @@ def trigger_for(s: ScheduleConfig) -> IntervalTrigger | CronTrigger:
             jitter=int(s.jitter) or None,
         )
     return IntervalTrigger(seconds=s.every_s, timezone=UTC, jitter=int(s.jitter) or None)
-
-
-class Tenure:
-    """Which backends this daemon probes, pass to pass: each change is logged and exported
-    (`Metrics.set_lease`). On SQLite every backend is held, silently."""
-
-    def __init__(self, store: Store, metrics: Metrics) -> None:
-        self.store, self.metrics = store, metrics
-        self.holders: dict[str, str | None] = {}  # backend -> its holder at the last claim
-        self._lock = threading.Lock()  # passes of several schedules claim at once
-
-    def claim(self, lease_s: dict[str, float], backends: list[str]) -> tuple[set[str], dict[str, float]]:
-        """Claim the backends' leases: (those this daemon holds now, the seconds until each other one's
-        lease ends). A claim that fails (the database is unreachable) holds nothing: the passes skip
-        them, and their last-probe times age."""
-        me = self.store.lease_holder
-        try:
-            leases = self.store.claim_leases({b: lease_s[b] for b in backends})
-        except Exception:
-            log.exception("lease.claim_failed", backends=backends)
-            return set(), {}
-        with self._lock:
-            for b, (holder, _) in leases.items():
-                before = self.holders.get(b, "")  # "": never claimed by this daemon
-                self.holders[b] = holder
-                if (before == me) == (holder == me) and before != "":
-                    continue
-                self.metrics.set_lease(b, holder == me)
-                if not self.store.leased:
-                    continue
-                if holder == me:  # a takeover (from a holder that died, hung or stopped) is worth a warning
-                    taken = before not in ("", None)
-                    (log.warning if taken else log.info)(
-                        "lease.acquired", backend=b, previous=before or None, seconds=lease_s[b]
-                    )
-                elif before == me:
-                    log.warning("lease.lost", backend=b, holder=holder)
-                else:
-                    log.info("lease.held_elsewhere", backend=b, holder=holder)
-        held = {b for b, lease in leases.items() if lease.holder == me}
-        return held, {b: lease.ends_in for b, lease in leases.items() if b not in held}
-
-    def forget(self, backends: set[str]) -> None:
-        """Backends a reload removed: their leases end now, and a later reload that adds one back starts
-        afresh (its series were dropped with it)."""
-        with self._lock:
-            for b in backends:
-                self.holders.pop(b, None)
-        if backends:
-            try:
-                self.store.release_leases(backends)
-            except Exception:
-                log.exception("lease.release_failed", backends=sorted(backends))
 
 
 class Daemon:
@@ -328,7 +199,7 @@ class Daemon:
         """One backend's share of a pass, logged at its start and end with what it found."""
         log.info("pass.start", schedule=schedule, backend=backend, canaries=len(canaries))
         t0 = time.monotonic()
-        run = probe_backend(gen.backends[backend], canaries, self.store, gen.config)
+        (run,) = run_pass(gen.config, gen.backends, {backend: canaries}, self.store)
         down = {"unavailable": run.unavailable.kind.value} if run.unavailable else {}
         log.info(
             "pass.done",

@@ -6,7 +6,8 @@ migration, loading suites, building backends) that is no clean stop. `install` i
 from then on SIGTERM and SIGINT only set the stop event and SIGHUP the reload event; the daemon takes the
 events over (`install` again, with its own) and acts on a signal that came early as soon as it can.
 
-Deliberately light: only the standard library, so that installing it costs nothing.
+Deliberately light: only the standard library (and `canaryd.argv`, as light), so that installing it costs
+nothing.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ import signal
 import threading
 from collections.abc import Sequence
 
+from canaryd.argv import command_of
+
 _stop = threading.Event()
 _reload = threading.Event()
-# Options of the top-level command that take a value (so that `-c run.toml run` is read right).
-_VALUED = frozenset({"-c", "--config", "--log-level"})
 
 
 def install(
@@ -51,12 +52,4 @@ def _on_reload(_signum: int, _frame: object) -> None:
 
 def runs_daemon(argv: Sequence[str]) -> bool:
     """Whether a command line (without the program name) is ``canaryd [options] run``."""
-    skip = False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg in _VALUED:
-            skip = True
-        elif not arg.startswith("-"):
-            return arg == "run"
-    return False
+    return command_of(argv) == "run"

@@ -26,12 +26,11 @@ from canaryd.errors import EXIT_DRIFT, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, Bu
 from canaryd.judge.compare import Verdict
 from canaryd.observation import ErrorKind, Observation
 from canaryd.probe.budget import over_budget
-from canaryd.probe.run import Result, plan, run_pass
+from canaryd.probe.run import BackendRun, Result, one_pass, plan
 from canaryd.report.configurations import Served, over_limit, served
 from canaryd.report.pin import Pin, PinnedBackend, PinReport, check_pin
 from canaryd.report.record import build_record, summarize, to_markdown
 from canaryd.report.tables import result_dict
-from canaryd.stack import merge_stacks
 from canaryd.store import open_store
 
 
@@ -53,20 +52,18 @@ def config_errors(results: Sequence[Result]) -> list[str]:
     return list(dict.fromkeys(line for line in lines if line))
 
 
-def stacks_now(results: Sequence[Result]) -> dict[str, dict[str, str]]:
-    """Each probed backend's stack in this pass ({} when no canary got through)."""
-    names = dict.fromkeys(r.observation.backend for r in results)
-    return {
-        b: merge_stacks(
-            r.observation.stack for r in results if r.observation.backend == b and r.observation.ok
-        )
-        for b in names
-    }
+def stacks_now(runs: Sequence[BackendRun]) -> dict[str, dict[str, str]]:
+    """Each probed backend's stack in this pass, as its run holds it ({} when no canary got through)."""
+    return {run.backend: run.stack for run in runs if run.results}
 
 
-def configurations_now(results: Sequence[Result]) -> dict[str, tuple[str, ...]]:
+def configurations_now(runs: Sequence[BackendRun]) -> dict[str, tuple[str, ...]]:
     """Each backend's serving configurations in this pass (those its answers named)."""
-    return {b: s.ids for b, s in served(results).items()}
+    return {b: s.ids for b, s in served(_results(runs)).items()}
+
+
+def _results(runs: Sequence[BackendRun]) -> tuple[Result, ...]:
+    return tuple(r for run in runs for r in run.results)
 
 
 def pinned_config(config: Config, pin: Pin, pin_path: Path, backend: str | None) -> Config:
@@ -91,9 +88,14 @@ def _now() -> str:
 class PassCheck:
     """One probe pass and, when a pin was given, how the stack compares with it."""
 
-    results: tuple[Result, ...]
+    runs: tuple[BackendRun, ...]
     pin: PinReport | None = None
     max_configurations: int | None = None  # `--max-configurations`: more on a backend fails the pass
+
+    @property
+    def results(self) -> tuple[Result, ...]:
+        """Every backend's results, in run order."""
+        return _results(self.runs)
 
     @property
     def exit_code(self) -> int:
@@ -149,11 +151,11 @@ def checked_pass(
     check_limit(max_configurations)
     refuse_over_budget(config, backend)
     if pin is None:
-        return PassCheck(tuple(run_pass(config, only=backend)), None, max_configurations)
+        return PassCheck(tuple(one_pass(config, only=backend)), None, max_configurations)
     if pin_path is None:
         raise ValueError("checked_pass: a pin comes with its path")
     pinned = _pinned_pass(pinned_config(config, pin, pin_path, backend), backend, pin, pin_path)
-    return PassCheck(pinned.results, pinned.pin, max_configurations)
+    return PassCheck(pinned.runs, pinned.pin, max_configurations)
 
 
 def check_limit(max_configurations: int | None) -> None:
@@ -182,9 +184,8 @@ def refuse_over_budget(config: Config, only: str | None = None) -> None:
 
 
 def _pinned_pass(config: Config, backend: str | None, pin: Pin, pin_path: Path) -> PassCheck:
-    results = run_pass(config, only=backend)
-    report = check_pin(pin, stacks_now(results), str(pin_path), configurations_now(results))
-    return PassCheck(tuple(results), report)
+    runs = tuple(one_pass(config, only=backend))
+    return PassCheck(runs, check_pin(pin, stacks_now(runs), str(pin_path), configurations_now(runs)))
 
 
 # -- pin ------------------------------------------------------------------------------------------------
@@ -207,18 +208,18 @@ class PinTaken:
 
 def take_pin(config: Config, backend: str | None = None) -> PinTaken:
     """Probe once and pin each backend's stack; its observations are kept in the store as the evidence."""
-    checked = PassCheck(tuple(run_pass(config, only=backend)))
+    checked = PassCheck(tuple(one_pass(config, only=backend)))
     if gate(checked.results) in (EXIT_UNAVAILABLE, EXIT_USAGE):  # a refusal first: it decides the exit
         refused = (r.observation for r in checked.results if r.observation.error_kind is ErrorKind.CONFIG)
         return PinTaken(None, next(refused, checked.first_error))
-    runs = {r.observation.backend: r.run_id for r in checked.results}
-    configurations = configurations_now(checked.results)
+    runs = {run.backend: run.run_id for run in checked.runs}
+    configurations = configurations_now(checked.runs)
     pinned = Pin(
         created=_now(),
         canaryd=__version__,
         backends={
             b: PinnedBackend(config.backend(b).kind, s, runs[b], configurations.get(b, ()))
-            for b, s in stacks_now(checked.results).items()
+            for b, s in stacks_now(checked.runs).items()
         },
     )
     store = open_store(config)
@@ -289,7 +290,7 @@ def run_preflight(
     check_limit(max_configurations)
     config = pinned_config(config, pin, pin_path, backend)
     pinned = _pinned_pass(config, backend, pin, pin_path)
-    checked = PassCheck(pinned.results, pinned.pin, max_configurations)
+    checked = PassCheck(pinned.runs, pinned.pin, max_configurations)
     if on_checked is not None:
         on_checked(checked)
     argv = tuple(command)
@@ -308,11 +309,11 @@ def run_preflight(
     except OSError as e:
         return PreflightReport(argv, checked, out_dir, start_error=str(e.strerror or e))
     finished = _now()
-    after = run_pass(config, only=backend) if post_check else []
+    after = _results(one_pass(config, only=backend)) if post_check else ()
     store = open_store(config)
     try:
         store.keep([r.observation_id for r in after], "preflight")
-        runs = sorted({r.run_id for r in checked.results})
+        runs = sorted(run.run_id for run in checked.runs if run.results)
         rec = build_record(store, runs, pin=pin, pin_path=str(pin_path), version=__version__)
         rec["command"] = {
             "argv": list(argv),

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
-from canaryd.backends import Backend, make_backend
+from canaryd.backends import Backend
 from canaryd.canaries import Canary
 from canaryd.config import Config
 from canaryd.judge.compare import Comparison, Verdict
@@ -128,11 +128,13 @@ def check_one(reference: Backend, canary: Canary, obs: Observation) -> Check:
 def run_checks(
     config: Config,
     name: str,
+    reference: Backend | None,
     canaries: Sequence[Canary],
     sent: Sequence[list[Observation]],
     floors: Mapping[str, float] | None = None,
 ) -> Cycle | None:
-    """The reference checks of backend ``name``'s cycle (None when it names no reference).
+    """The reference checks of backend ``name``'s cycle on ``reference``, the backend it names (built and
+    closed by the pass's caller: the daemon keeps one, with its breaker and stop event, across passes).
 
     ``floors``: each canary's calibrated noise floor on the provider (`stats.noise_floor`). A parting or
     gap within it, or within ``logprob_tolerance``, is no evidence: the reference's own noise says nothing
@@ -144,12 +146,11 @@ def run_checks(
     todo = [(c, obs[0]) for c, obs in zip(canaries, sent, strict=True) if obs and checkable(c, obs[0])]
     if not todo:  # nothing answered that could be checked: the reference is not called
         return Cycle(ref_name, {}, {}, decide({}, config.compare.alpha))
-    reference = make_backend(config.backend(ref_name))
-    try:
-        with ThreadPoolExecutor(reference.concurrency, thread_name_prefix=f"reference-{name}") as ex:
-            checks = list(ex.map(lambda item: check_one(reference, *item), todo))
-    finally:
-        reference.close()
+    if reference is None:  # not built for the pass: not in its config (a pin that leaves it out)
+        config.backend(ref_name)  # says so
+        raise ValueError(f"reference {ref_name!r} was not handed to the pass")
+    with ThreadPoolExecutor(reference.concurrency, thread_name_prefix=f"reference-{name}") as ex:
+        checks = list(ex.map(lambda item: check_one(reference, *item), todo))
     by_id = {c.id: check for (c, _), check in zip(todo, checks, strict=True)}
     null = [c.noise for c in by_id.values() if c.noise is not None]
     gap_null = [g for c in by_id.values() for g in c.gap_noise]

@@ -2,13 +2,17 @@
 
 Backends run in parallel; within a backend, at most ``concurrency`` canaries are in flight. The stack
 snapshot is taken once per backend per pass and joined with each response's own serving facts.
+
+`run_pass` is the one entry, for the commands (`one_pass`) and the daemon alike: its callers build the
+backends, the references among them, so that a backend the daemon keeps (its circuit breaker, its stop
+event) is the one that answers, whether it is probed or asked as another backend's reference.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -73,7 +77,14 @@ def plan(config: Config, suites: Sequence[Suite], only: str | None = None) -> di
     return out
 
 
-def probe_backend(backend: Backend, canaries: Sequence[Canary], store: Store, config: Config) -> BackendRun:
+def probe_backend(
+    backend: Backend,
+    canaries: Sequence[Canary],
+    store: Store,
+    config: Config,
+    ref: Backend | None = None,
+) -> BackendRun:
+    """One backend's share of a pass; ``ref``: the backend it names as its reference, if any."""
     run_id = store.start_run(backend.name)
     bound = log.bind(backend=backend.name, run_id=run_id)
     try:
@@ -103,7 +114,7 @@ def probe_backend(backend: Backend, canaries: Sequence[Canary], store: Store, co
     except Exception:  # each canary reads its own, and a failure costs only that canary
         bound.exception("judging_reads_failed")
         reads = store
-    referenced = _reference_checks(config, reads, backend.name, canaries, sent, bound)
+    referenced = _reference_checks(config, reads, backend.name, canaries, sent, bound, ref)
     judged = []
     for canary, observations in zip(canaries, sent, strict=True):
         try:
@@ -203,13 +214,15 @@ def _reference_checks(
     canaries: Sequence[Canary],
     sent: list[list[Observation]],
     bound: Any,
+    ref: Backend | None,
 ) -> reference.Cycle | None:
-    """The backend's reference checks (`probe/reference.py`), if it names a reference; a failure of the
-    step itself costs the checks (each answer then carries it as an error reason), never the pass."""
+    """The backend's reference checks (`probe/reference.py`) on ``ref``, if it names a reference; a failure
+    of the step itself costs the checks (each answer then carries it as an error reason), never the pass."""
     if config.backend(name).reference is None:
         return None
     try:
-        return reference.run_checks(config, name, canaries, sent, _noise_floors(reads, name, canaries, sent))
+        floors = _noise_floors(reads, name, canaries, sent)
+        return reference.run_checks(config, name, ref, canaries, sent, floors)
     except Exception as e:
         bound.exception("reference_failed")
         ids = [c.id for c, obs in zip(canaries, sent, strict=True) if obs and reference.checkable(c, obs[0])]
@@ -368,26 +381,56 @@ def _stripped(obs: Observation) -> Observation:
     )
 
 
-def probe_all(
-    backends: Sequence[Backend], work: dict[str, list[Canary]], store: Store, config: Config
+def run_pass(
+    config: Config, backends: Mapping[str, Backend], work: Mapping[str, Sequence[Canary]], store: Store
 ) -> list[BackendRun]:
-    """Probe all backends in parallel; runs come back in config order."""
-    with _workers("backend", max(1, len(backends))) as ex:
-        futures = [ex.submit(probe_backend, b, work[b.name], store, config) for b in backends]
+    """Probe each backend of ``work`` once, in parallel, store and judge everything; runs come back in
+    ``work``'s order. ``backends``: built by the caller, every one of ``work`` and the references they name
+    (`built`)."""
+    refs = {b: _reference_of(config, backends, b) for b in work}
+    if len(work) == 1:  # the daemon's way (a thread of its own per backend already): no second hop
+        ((b, canaries),) = work.items()
+        return [probe_backend(backends[b], canaries, store, config, refs[b])]
+    with _workers("backend", max(1, len(work))) as ex:
+        futures = [ex.submit(probe_backend, backends[b], w, store, config, refs[b]) for b, w in work.items()]
         return [f.result() for f in futures]
 
 
-def run_pass(config: Config, only: str | None = None) -> list[Result]:
-    """Load the suites, probe every (or one) backend once, store and judge everything."""
+def _reference_of(config: Config, backends: Mapping[str, Backend], name: str) -> Backend | None:
+    ref = config.backend(name).reference
+    return None if ref is None else backends.get(ref)
+
+
+@contextmanager
+def built(config: Config, names: Iterable[str]) -> Iterator[dict[str, Backend]]:
+    """The backends ``names`` and the references they name (those in ``config``), each built once, for
+    passes on them; closed at the end."""
+    wanted = dict.fromkeys(names)
+    known = {b.name for b in config.backends}
+    for name in list(wanted):
+        ref = config.backend(name).reference
+        if ref in known:
+            wanted.setdefault(ref)
+    backends: dict[str, Backend] = {}
+    try:
+        for name in wanted:
+            backends[name] = make_backend(config.backend(name))
+        yield backends
+    finally:
+        for b in backends.values():
+            b.close()
+
+
+def one_pass(config: Config, only: str | None = None) -> list[BackendRun]:
+    """A command's pass: load the suites, build every (or one) backend and its reference, probe each once,
+    store and judge everything."""
     if only is not None:
         config.backend(only)  # an unknown name is an InputError
     work = plan(config, load_suites([s.path for s in config.suites], config.limits.suite_bytes), only=only)
-    backends = [make_backend(config.backend(name)) for name in work]
     progress.begin(sum(map(len, work.values())), ", ".join(work))
-    store = open_store(config)
-    try:
-        return [r for run in probe_all(backends, work, store, config) for r in run.results]
-    finally:
-        for b in backends:
-            b.close()
-        store.close()
+    with built(config, work) as backends:
+        store = open_store(config)
+        try:
+            return run_pass(config, backends, work, store)
+        finally:
+            store.close()

@@ -99,7 +99,7 @@ _SHARED_MAX = 32
 
 def shared(database: str) -> Cache:
     """The process's `Cache` of one database (its full URL): every `Store` on an equal URL shares it, so a
-    store opened per pass (``canaryd check``, `canaryd.probe.run.run_pass`) starts with what the last one
+    store opened per pass (``canaryd check``, `canaryd.probe.run.one_pass`) starts with what the last one
     read and wrote, not from nothing. Sharing changes nothing it holds true: each pass still starts with the
     generation statement, and a known key another process pruned still fails its write, which forgets them.
     """

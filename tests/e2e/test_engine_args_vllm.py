@@ -77,25 +77,22 @@ def lab(tmp_path_factory) -> EngineLab:
 
 def metrics_text(lab: EngineLab) -> str:
     """The Prometheus exposition after a pass, as the daemon serves it (in-process, no listener)."""
-    from canaryd.backends import make_backend
     from canaryd.canaries import load_suites
     from canaryd.config import load_config
     from canaryd.daemon.metrics import Metrics
-    from canaryd.probe.run import plan, probe_all
+    from canaryd.probe.run import built, plan, run_pass
     from canaryd.store import open_store
 
     os.environ["ENGINE_E2E_KEY"] = KEY
     try:
         config = load_config(lab.root / "canaryd.toml")
         work = plan(config, load_suites([s.path for s in config.suites], config.limits.suite_bytes))
-        backends = [make_backend(config.backend(name)) for name in work]
-        store = open_store(config)
-        try:
-            runs = probe_all(backends, work, store, config)
-        finally:
-            store.close()
-            for b in backends:
-                b.close()
+        with built(config, work) as backends:
+            store = open_store(config)
+            try:
+                runs = run_pass(config, backends, work, store)
+            finally:
+                store.close()
     finally:
         del os.environ["ENGINE_E2E_KEY"]
     m = Metrics()

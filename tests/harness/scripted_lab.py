@@ -97,8 +97,11 @@ class ScriptedLab:
         return sent
 
     def cycle(self, name: str = "fake") -> BackendRun:
-        """One probe pass of a backend: snapshot, probes, judgement, detector fold, store."""
-        return probe_backend(self.backend(name), self.canaries(name), self.store, self.config)
+        """One probe pass of a backend: snapshot, probes, judgement, detector fold, store (its reference, if
+        it names one, is the lab's backend of that name: kept from pass to pass, as the daemon keeps it)."""
+        ref = self.config.backend(name).reference
+        reference = self.backend(ref) if ref is not None else None
+        return probe_backend(self.backend(name), self.canaries(name), self.store, self.config, reference)
 
     def baselines(self, ids: list[str], name: str = "fake") -> list[int | None]:
         """The baseline observation id of each canary (or step) id, None where there is none."""

@@ -26,7 +26,7 @@ from canaryd.judge.stats import DetectorState
 from canaryd.observation import ErrorKind, Observation
 from canaryd.probe.calibrate import calibrate
 from canaryd.probe.chain import first_divergence, mark_divergence, render, run_chain, step_canary
-from canaryd.probe.run import plan, probe_all, run_pass
+from canaryd.probe.run import one_pass, plan, run_pass
 from canaryd.probe.shapes import shape_of
 from canaryd.store import Store
 
@@ -279,12 +279,17 @@ def config(tmp_path, server):
     return load_config(tmp_path / "canaryd.toml")
 
 
+def passed(config) -> list:
+    """The results of one pass as a command makes it (`one_pass`), every backend's."""
+    return [r for run in one_pass(config) for r in run.results]
+
+
 def by_id(results) -> dict:
     return {r.observation.canary_id: r for r in results}
 
 
 def test_steps_are_sent_in_order_each_rendered_from_the_outputs_before_it(config, server):
-    results = by_id(run_pass(config))
+    results = by_id(passed(config))
     assert list(results) == ["plan:extract", "plan:map", "plan:answer", "plain"]
     sent = [json.dumps(b) for b in server.bodies[:3]]
     assert (
@@ -305,13 +310,13 @@ def test_steps_are_sent_in_order_each_rendered_from_the_outputs_before_it(config
 
 
 def test_an_upstream_change_is_a_change_of_each_later_step_never_a_new_baseline(config, server):
-    first = by_id(run_pass(config))
-    again = by_id(run_pass(config))
+    first = by_id(passed(config))
+    again = by_id(passed(config))
     assert {r.comparison.verdict for r in again.values()} == {Verdict.IDENTICAL}
     assert all(r.comparison.first_diverged_step is None for r in again.values())
 
     server.answers["STEP1"] = "gamma-ray"  # the first step now extracts something else (longer, too)
-    moved = by_id(run_pass(config))
+    moved = by_id(passed(config))
     verdicts = {i: r.comparison.verdict for i, r in moved.items()}
     assert verdicts == {
         "plan:extract": Verdict.ANSWER_DRIFT,
@@ -329,19 +334,19 @@ def test_an_upstream_change_is_a_change_of_each_later_step_never_a_new_baseline(
     )
 
     server.answers["STEP1"], server.answers["STEP2"] = "alpha", "delta"  # now the middle step moves
-    final = by_id(run_pass(config))["plan:answer"].comparison
+    final = by_id(passed(config))["plan:answer"].comparison
     assert final.first_diverged_step == "map" and "step 'map' (2 of 3) diverged first" in final.reasons
 
     server.answers["STEP2"], server.answers["STEP3"] = "beta", "no"  # and now only the answer, wrongly
-    final = by_id(run_pass(config))["plan:answer"].comparison
+    final = by_id(passed(config))["plan:answer"].comparison
     assert final.verdict is Verdict.REGRESSION and final.first_diverged_step == "answer"
 
 
 def test_a_failed_step_stops_the_plan_and_the_rest_are_errors_not_sent(config, server):
-    run_pass(config)
+    passed(config)
     server.bodies.clear()
     server.answers["STEP2"] = 400
-    results = by_id(run_pass(config))
+    results = by_id(passed(config))
     assert len([b for b in server.bodies if "PLAIN" not in json.dumps(b)]) == 2  # extract and map only
     extract, mapped, answer = (results[f"plan:{s}"] for s in ("extract", "map", "answer"))
     assert extract.comparison.verdict is Verdict.IDENTICAL
@@ -378,7 +383,7 @@ def test_a_chained_canary_on_an_unreachable_backend_records_each_step_as_an_erro
         'state_dir = "state"\nsuites = ["s.toml"]\n[[backends]]\nname = "v"\nkind = "vllm"\n'
         'base_url = "http://127.0.0.1:9/v1"\nmodel = "m"\nretries = 0\n'
     )
-    results = run_pass(load_config(tmp_path / "canaryd.toml"))
+    results = passed(load_config(tmp_path / "canaryd.toml"))
     assert [r.observation.canary_id for r in results] == ["plan:extract", "plan:map", "plan:answer", "plain"]
     assert {r.observation.error_kind for r in results} == {ErrorKind.CONNECT}
 
@@ -394,7 +399,7 @@ def test_a_cycle_reports_the_stored_alarm_and_a_step_held_within_noise_is_not_th
         # a cycle with no calibrated canary leaves the stored detector as it is, and reports it
         raised = DetectorState(50.0, 3, True)
         store.fold_detector("api", lambda _: (raised.as_dict(), None))
-        (run,) = probe_all([backend], work, store, config)
+        (run,) = run_pass(config, {"api": backend}, work, store)
         assert run.detector == raised
 
         canaries = work["api"]
@@ -410,7 +415,7 @@ def test_a_cycle_reports_the_stored_alarm_and_a_step_held_within_noise_is_not_th
         assert [len(v) for v in probes.values()] == [20]
 
         server.shift["STEP1"] = 0.2  # 20σ under the first step only; the text does not move
-        (run,) = probe_all([backend], work, store, config)
+        (run,) = run_pass(config, {"api": backend}, work, store)
         got = by_id(run.results)
         extract = got["plan:extract"].comparison
         assert extract.evidence.out and extract.verdict is Verdict.NOISE

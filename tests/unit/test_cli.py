@@ -146,7 +146,7 @@ def test_config_option_before_or_after_the_command(tmp_path):
 
 
 def test_global_options_move_in_front_but_never_out_of_a_benchmark_command():
-    from canaryd.commands import hoist_global_options as hoist
+    from canaryd.argv import hoist_global_options as hoist
 
     assert hoist(["history", "-c", "a.toml", "--limit", "3"]) == ["-c", "a.toml", "history", "--limit", "3"]
     assert hoist(["db", "current", "--config=a.toml"]) == ["--config=a.toml", "db", "current"]

@@ -108,9 +108,9 @@ def test_init_falls_back_to_openai_for_a_kind_this_canaryd_lacks(tmp_path) -> No
 
 
 def test_doctor_proposes_the_engines_kind(replay: EngineReplay) -> None:
+    from canaryd.backends.discover import discover, engine
     from canaryd.backends.ollama import Settings as OllamaSettings
     from canaryd.backends.openai_compat import Settings
-    from canaryd.doctor import discover, engine
 
     plain = Settings(name="o", model="llama3", base_url=replay.base("ollama"))
     said = engine(plain)

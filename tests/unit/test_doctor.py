@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from canaryd import doctor
+from canaryd.backends import discover as doctor
+from canaryd.backends.openai_responses import DOCTOR as RESPONSES_API
+from canaryd.backends.profile import insert_profile, to_toml
 from canaryd.config import load_config
 from canaryd.errors import InputError
 from tests.harness.providers import KEY, Replay
@@ -157,8 +159,8 @@ def test_finds_the_family_facts_and_writes_its_profile(family: str, replay: Repl
     assert 0 < found.tokens <= doctor.estimate()["tokens"] <= 500
 
     original = path.read_text()
-    block = doctor.to_toml(want, "cloud")
-    doctor.insert_profile(path, "cloud", block, want)
+    block = to_toml(want, "cloud")
+    insert_profile(path, "cloud", block, want)
     text = path.read_text()
     doc = tomllib.loads(text)
     assert doc["backends"][0]["request"] == want
@@ -173,11 +175,11 @@ def test_a_second_run_replaces_the_table_it_wrote(replay: Replay, folder: Path) 
     original = path.read_text()
     settings = load_config(path).backend("cloud")
     old = {"logprobs": "require", "top_logprobs": 5, "extra_body": {"a": {"b": 1}}}
-    doctor.insert_profile(path, "cloud", doctor.to_toml(old, "cloud"), old)
+    insert_profile(path, "cloud", to_toml(old, "cloud"), old)
     assert tomllib.loads(path.read_text())["backends"][0]["request"] == old
     want = doctor.profile(doctor.discover(settings))
-    block = doctor.to_toml(want, "cloud")
-    doctor.insert_profile(path, "cloud", block, want)
+    block = to_toml(want, "cloud")
+    insert_profile(path, "cloud", block, want)
     text = path.read_text()
     assert tomllib.loads(text)["backends"][0]["request"] == want == EXPECTED["mistral"][1]
     assert text.count("[backends.request]") == 1
@@ -225,7 +227,7 @@ def test_preset_named_by_host() -> None:
     assert doctor.preset_for("https://api.openai.com/v1", reasoning) == "openai-reasoning"
     assert doctor.preset_for("https://my.openai.azure.com/openai/v1", plain) == "azure"
     assert doctor.preset_for("http://127.0.0.1:8000/v1", plain) is None
-    assert 'preset = "groq"' in doctor.to_toml({"logprobs": "off"}, "b", "groq")
+    assert 'preset = "groq"' in to_toml({"logprobs": "off"}, "b", "groq")
 
 
 def test_unreachable_is_exit_3_in_one_line(folder: Path) -> None:
@@ -260,9 +262,7 @@ def test_a_table_it_cannot_place_is_refused_and_the_file_kept(tmp_path: Path) ->
     text = 'backends = [{ name = "cloud", kind = "openai" }]\n'
     path.write_text(text)
     with pytest.raises(InputError, match="paste the block by hand"):
-        doctor.insert_profile(
-            path, "cloud", doctor.to_toml({"logprobs": "off"}, "cloud"), {"logprobs": "off"}
-        )
+        insert_profile(path, "cloud", to_toml({"logprobs": "off"}, "cloud"), {"logprobs": "off"})
     assert path.read_text() == text
 
 
@@ -292,16 +292,16 @@ def test_the_responses_api_is_asked_through_responses(
     settings = Settings(
         name="r", base_url=replay.base("openai-responses"), model="m", api_key_env="REPLAY_KEY"
     )
-    settings = settings.model_copy(update={"kind": doctor.RESPONSES})  # the kind lands on another branch
+    settings = settings.model_copy(update={"kind": "openai-responses"})  # the kind lands on another branch
     before = len(replay.got("openai-responses"))
     found = doctor.discover(settings)
     assert (found.logprobs, found.top_logprobs, found.refused) == ("returned", 20, [])
     assert doctor.profile(found) == {"logprobs": "require", "top_logprobs": 20}
     sent = replay.got("openai-responses")[before:]
     assert {g.path for g in sent} == {"/responses"} and len(sent) == found.requests == 3
-    assert {g.body["max_output_tokens"] for g in sent} == {doctor.RESPONSES_MAX_TOKENS}
+    assert {g.body["max_output_tokens"] for g in sent} == {RESPONSES_API.max_tokens} == {16}
     assert sent[-1].body["include"] == ["message.output_text.logprobs"]
-    assert 0 < found.tokens <= doctor.estimate(doctor.RESPONSES)["tokens"]
+    assert 0 < found.tokens <= doctor.estimate("openai-responses")["tokens"]
 
 
 @pytest.mark.parametrize("mode", ["503", "429", "hang", "cut"])

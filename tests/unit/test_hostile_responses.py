@@ -664,19 +664,19 @@ def test_one_backends_failure_leaves_every_other_backends_series(tmp_path, monke
     )
     lab.close()
     d = service.Daemon(lab.path, load_config(lab.path))
-    real_probe, real_record = service.probe_backend, d.metrics.record
+    real_probe, real_record = service.run_pass, d.metrics.record
 
-    def probe(backend, canaries, store, config):
-        if backend.name == "broken":
+    def probe(config, backends, work, store):
+        if "broken" in work:
             raise OSError("database is locked")
-        return real_probe(backend, canaries, store, config)
+        return real_probe(config, backends, work, store)
 
     def record(run, now=None):
         if run.backend == "unrecordable":
             raise ValueError("a metrics bug")
         return real_record(run, now)
 
-    monkeypatch.setattr(service, "probe_backend", probe)
+    monkeypatch.setattr(service, "run_pass", probe)
     monkeypatch.setattr(d.metrics, "record", record)
     try:
         d._pass("fast")

@@ -11,9 +11,11 @@ import httpx2
 import pytest
 import structlog
 
+from canaryd.daemon.generation import Generation
 from canaryd.daemon.metric_table import METRICS, LeaseLoss
 from canaryd.daemon.metrics import Metrics
-from canaryd.daemon.service import Daemon, Generation, Tenure
+from canaryd.daemon.service import Daemon
+from canaryd.daemon.tenure import Tenure
 from canaryd.store import Store, lease_seconds
 from canaryd.store.leases import GRACE_MAX_S, GRACE_MIN_S, Lease
 from tests.harness.scripted_lab import ScriptedLab, scripted

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from canaryd.errors import InputError
-from canaryd.ops import export_files, shipped
+from canaryd.scaffold import export_files, shipped
 
 REPO = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
 SHIPPED = REPO / "canaryd" / "_shipped"

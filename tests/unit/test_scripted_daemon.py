@@ -189,3 +189,60 @@ def test_a_backend_that_errors_does_not_stop_another_backends_series(daemon):
     # the good backend kept being probed on schedule all along
     n = passes(d, "good", "add")
     wait("another pass of the good backend", lambda: passes(d, "good", "add") > n)
+
+
+def test_a_reference_is_one_backend_of_the_daemon_with_its_stop_event_and_its_breaker_across_passes(
+    tmp_path, monkeypatch
+):
+    """The reference a backend names is built once, with the generation's backends: the daemon's stop event
+    reaches it, and its circuit breaker counts on from pass to pass, so a reference that keeps failing is
+    left alone for its cool-down instead of being built and asked afresh every pass."""
+    from canaryd.backends import scripted as kind
+    from canaryd.daemon import service
+
+    built: list[str] = []
+    real_init = kind.Prober.__init__
+
+    def counted(self, cfg):
+        built.append(cfg.name)
+        real_init(self, cfg)
+
+    monkeypatch.setattr(kind.Prober, "__init__", counted)
+    runs = []
+    real_pass = service.run_pass
+
+    def kept(*args):
+        runs.extend(real_pass(*args))
+        return runs[-1:]
+
+    monkeypatch.setattr(service, "run_pass", kept)
+    (tmp_path / "plain.toml").write_text(PLAIN)
+    failing = change(at=1, error="connect")
+    (tmp_path / "canaryd.toml").write_text(
+        'state_dir = "state"\nsuites = ["plain.toml"]\n'
+        + scripted(reference="ref")
+        + scripted("ref", retries=0, breaker_failures=3, breaker_cooldown="1h", body=failing)
+        + '[[schedules]]\nname = "fast"\nevery = "1s"\nbackends = ["fake"]\n'
+    )
+    d = Daemon(tmp_path / "canaryd.toml", load_config(tmp_path / "canaryd.toml"))
+    try:
+        d._pass("fast")
+        d._pass("fast")
+        ref = d.gen.backends["ref"]
+        assert ref.stopping is d.stop_event
+        d.stop_event.set()
+        stopped = ref.probe(d.gen.work["fast"]["fake"][0])
+    finally:
+        d.gen.close()
+        d.store.close()
+    assert built.count("ref") == 1 and built.count("fake") == 1
+    assert [r.backend for r in runs] == ["fake", "fake"]
+    first, second = ({r.observation.canary_id: r.comparison for r in run.results} for run in runs)
+    assert set(first) == set(second) == set(IDS)
+    assert all("connect" in first[c].reference["error"] for c in IDS)
+    # the breaker opened in the first pass (3 failures in a row) and is still cooling down in the second
+    for c in IDS:
+        error = second[c].reference["error"]
+        assert "circuit_open" in error and "cooling down" in error
+        assert any("reference check on 'ref' failed" in r for r in second[c].reasons)
+    assert stopped.error_kind.value == "stopped" and stopped.error == "not sent: canaryd is stopping"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from canaryd.observation import ErrorKind
-from canaryd.probe.run import run_pass
+from canaryd.probe.run import one_pass
 from tests.harness.scripted_lab import ScriptedLab, by_id, change, scripted, verdicts
 
 # Two plans after canaries/chained.toml: extract the terms → map the facts onto them → answer.
@@ -53,6 +53,11 @@ ANSWERS = {  # by a substring of each step's prompt
 }
 FLOOD = ["flood:extract", "flood:map", "flood:answer"]
 AUDIT = ["audit:extract", "audit:answer"]
+
+
+def passed(config) -> list:
+    """The results of one pass as a command makes it (`one_pass`), every backend's."""
+    return [r for run in one_pass(config) for r in run.results]
 
 
 @pytest.fixture
@@ -192,15 +197,15 @@ def test_pinned_seeds_draw_the_same_set_every_cycle(make):
 )
 def test_a_changed_distribution_is_drift_with_its_p_value(make, expect, verdict):
     """The distribution is a backend setting: the config is rewritten between two passes on one store,
-    as an operator's two ``canaryd check`` runs would see it (run_pass: a fresh backend each time)."""
+    as an operator's two ``canaryd check`` runs would see it (one_pass: a fresh backend each time)."""
     lab = coin_lab(make, n=40, expect=expect)
     alpha = lab.config.compare.alpha
-    base = run_pass(lab.config)
+    base = passed(lab.config)
     assert {r.comparison.verdict.value for r in base} == {"baseline"}
-    assert {r.comparison.verdict.value for r in run_pass(lab.config)} == {"identical"}
+    assert {r.comparison.verdict.value for r in passed(lab.config)} == {"identical"}
 
     lab.write(scripted(distribution={"coin": {"heads": 1, "tails": 3}}))
-    moved = run_pass(lab.config)
+    moved = passed(lab.config)
     assert {r.comparison.verdict.value for r in moved} == {verdict}
     ev = moved[0].comparison.evidence
     assert all(r.comparison.evidence == ev for r in moved)  # one verdict and evidence for the set

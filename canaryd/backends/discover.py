@@ -1,5 +1,5 @@
-"""``canaryd doctor``: what an OpenAI-compatible endpoint accepts and returns, found with a few tiny requests,
-and the request profile (``[backends.request]``) that follows from it.
+"""What an OpenAI-compatible endpoint accepts and returns, found with a few tiny requests (``canaryd
+doctor``), and the request profile (``[backends.request]``) that follows from it.
 
 Providers differ in what they refuse (``max_tokens`` on reasoning models, ``seed`` on Mistral,
 ``presence_penalty`` on grok-4, logprobs on Groq and Gemini) and in what they return (logprobs or not, in
@@ -10,28 +10,27 @@ the first one is an upper bound.
 
 A refusal names what it refused (OpenAI's ``param``, pydantic's ``loc``, or the message's words):
 `named` reads it, and the next request goes without it. The profile is a plain dict in the shape of the
-request profile (``canaryd.backends.profile``); `insert_profile` writes it into the config file's backend
-block, leaving every other byte of the file as it was.
+request profile (``canaryd.backends.profile``, which also writes it into the config file).
+
+The requests go through the backend's own kind: its ``Prober`` (the key, the connection limits, the wire
+form of a body) and its API's shape, the chat completions `Dialect` unless the kind declares another
+(``DOCTOR``, as the Responses API's kind does).
 """
 
 from __future__ import annotations
 
-import json
 import re
-import tomllib
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
+from canaryd.backends import declared
 from canaryd.backends.base import HttpSettings
 from canaryd.backends.detect import constant_fingerprint
 from canaryd.errors import InputError
 
 PROMPT = "Say OK."
 MAX_TOKENS = 8  # answer tokens per request (a reasoning model's hidden tokens count within it)
-RESPONSES_MAX_TOKENS = 16  # the Responses API's smallest max_output_tokens
-RESPONSES = "openai-responses"  # the kind that speaks the Responses API (POST /responses)
 MAX_REQUESTS = 10
 PROMPT_TOKENS = 40  # bound on a one-line prompt's count: the chat template and a provider's own preamble
 # The sampling parameters canaryd sends with every canary, at a canary's usual values.
@@ -43,8 +42,6 @@ SAMPLING: dict[str, Any] = {
     "frequency_penalty": 0.0,
     "seed": 0,
 }
-# The Responses API takes no n, penalties or seed.
-RESPONSES_SAMPLING: dict[str, Any] = {"temperature": 0.0, "top_p": 1.0}
 # When one refusal names several parameters (Claude: "temperature and top_p cannot both be specified"),
 # the one canaryd misses least goes first: top_p = 1 and the zero penalties are the defaults anyway.
 DROP_FIRST = ("top_p", "presence_penalty", "frequency_penalty", "n", "seed", "temperature")
@@ -72,8 +69,43 @@ class Unreachable(Exception):
     """The endpoint could not be asked (no connection, timeout, 429, 5xx): exit 3."""
 
 
+class Dialect:
+    """How doctor asks an API: the chat completions (``POST /chat/completions``), unless the kind's module
+    declares its own as ``DOCTOR`` (an object with these attributes and methods)."""
+
+    path = "/chat/completions"
+    responses = False  # the Responses API (the findings and the profile say so)
+    token_param = "max_tokens"
+    fallback_token_param: str | None = "max_completion_tokens"  # when the first is refused by name
+    max_tokens = MAX_TOKENS
+    sampling = SAMPLING
+    no_completions: str | None = None  # why there is no raw-prompt endpoint (/completions) to ask about
+    reasoning: ClassVar[dict[str, Any]] = {"reasoning_effort": "low"}
+
+    def body(self, model: str, token_param: str, **extra: Any) -> dict:
+        return {
+            "model": model,
+            "messages": [{"role": "user", "content": PROMPT}],
+            token_param: self.max_tokens,
+            **extra,
+        }
+
+    def ask_logprobs(self) -> dict[str, Any]:
+        return {"logprobs": True, "top_logprobs": 20}
+
+    def logprobs(self, doc: Any) -> Any:
+        """The answer's logprobs object (``content`` entries, or the legacy parallel lists)."""
+        choices = doc.get("choices") if isinstance(doc, dict) else None
+        choice = choices[0] if isinstance(choices, list) and choices else None
+        return choice.get("logprobs") if isinstance(choice, dict) else None
+
+
+def dialect(kind: str) -> Dialect:
+    return declared(kind, "DOCTOR", None) or Dialect()
+
+
 def answer_tokens(kind: str) -> int:
-    return RESPONSES_MAX_TOKENS if kind == RESPONSES else MAX_TOKENS
+    return dialect(kind).max_tokens
 
 
 def estimate(kind: str = "openai") -> dict[str, int]:
@@ -139,25 +171,15 @@ class Doctor:
     backend's own (its kind's HTTP client), so what works here works for its probes."""
 
     def __init__(self, settings: HttpSettings) -> None:
-        from canaryd.backends.openai_compat import Prober
-
         self.cfg = settings
-        self.prober = Prober(settings)
-        self.found = Findings()
-        self.responses = settings.kind == RESPONSES
-        self.path = "/responses" if self.responses else "/chat/completions"
-        self.sampling = RESPONSES_SAMPLING if self.responses else SAMPLING
-        self.found.responses = self.responses
-        if self.responses:
-            self.found.token_param = "max_output_tokens"
+        self.prober = declared(settings.kind, "Prober")(settings)
+        self.api = dialect(settings.kind)
+        self.found = Findings(token_param=self.api.token_param, responses=self.api.responses)
 
     def close(self) -> None:
         self.prober.close()
 
     def send(self, path: str, body: dict) -> Reply:
-        import httpx2
-
-        from canaryd.backends import openai_compat, transport
         from canaryd.backends import openai_wire as wire
 
         if self.found.requests >= MAX_REQUESTS:
@@ -165,46 +187,22 @@ class Doctor:
         self.found.requests += 1
         url = f"{self.cfg.base_url}{path}"
         try:
-            r = self.prober.exchange(
-                "POST", url, content=openai_compat.wire_body(body), headers=openai_compat.JSON
-            )
-        except (
-            transport.DeadlinePassed,
-            transport.TooLarge,
-            transport.BadEncoding,
-            httpx2.TransportError,
-        ) as e:
-            why = self.prober.redact(str(e).splitlines()[0] if str(e) else e.__class__.__name__)
-            raise Unreachable(f"backend {self.cfg.name!r}: {url}: {why}") from None
-        text = self.prober.redact(r.text)
+            status, text = self.prober.post(url, body)
+        except ConnectionError as e:
+            raise Unreachable(f"backend {self.cfg.name!r}: {url}: {e}") from None
         try:
             doc = wire.parse_json(text)
         except wire.InvalidResponse:
             doc = None
-        reply = Reply(r.status, doc, text)
-        if r.status == 429 or r.status >= 500:
-            raise Unreachable(f"backend {self.cfg.name!r}: {url}: HTTP {r.status}: {_said(reply)}")
+        reply = Reply(status, doc, text)
+        if status == 429 or status >= 500:
+            raise Unreachable(f"backend {self.cfg.name!r}: {url}: HTTP {status}: {_said(reply)}")
         if reply.ok:
             self.found.tokens += _spent(doc)
         return reply
 
     def ask(self, **extra: Any) -> Reply:
-        return self.send(self.path, self.body(**extra))
-
-    def body(self, **extra: Any) -> dict:
-        if self.responses:
-            return {
-                "model": self.cfg.model,
-                "input": PROMPT,
-                "max_output_tokens": RESPONSES_MAX_TOKENS,
-                **extra,
-            }
-        return {
-            "model": self.cfg.model,
-            "messages": [{"role": "user", "content": PROMPT}],
-            self.found.token_param: MAX_TOKENS,
-            **extra,
-        }
+        return self.send(self.api.path, self.api.body(self.cfg.model, self.found.token_param, **extra))
 
     def discover(self) -> Findings:
         f = self.found
@@ -220,14 +218,12 @@ class Doctor:
             f.evidence["reasoning"] = f"plain answer: reasoning_tokens {f.reasoning_tokens}"
             self._sampling()
             self._logprobs()
-            if self.responses:
-                f.evidence["completions"] = "not asked: the Responses API has no raw-prompt endpoint"
-            else:
+            if self.api.no_completions is None:
                 self._completions()
+            else:
+                f.evidence["completions"] = f"not asked: {self.api.no_completions}"
             if f.reasoning:
-                r = self.ask(
-                    **{"reasoning": {"effort": "low"}} if self.responses else {"reasoning_effort": "low"}
-                )
+                r = self.ask(**self.api.reasoning)
                 f.reasoning_effort = r.ok
                 f.evidence["reasoning_effort"] = _verdict(r)
             if "seed" in f.refused:
@@ -241,13 +237,14 @@ class Doctor:
     def _plain(self) -> Reply:
         """The plain request: with ``max_tokens``, else (when refused by name) ``max_completion_tokens``."""
         r = self.ask()
-        if not r.ok and not self.responses and named(r, ("max_tokens",)):
-            self.found.evidence["token_param"] = f"max_tokens: {_verdict(r)}"
-            self.found.token_param = "max_completion_tokens"
+        first, fallback = self.found.token_param, self.api.fallback_token_param
+        if not r.ok and fallback is not None and named(r, (first,)):
+            self.found.evidence["token_param"] = f"{first}: {_verdict(r)}"
+            self.found.token_param = fallback
             r = self.ask()
         if not r.ok:
             raise InputError(
-                f"backend {self.cfg.name!r}: {self.cfg.base_url}{self.path} refused a plain request "
+                f"backend {self.cfg.name!r}: {self.cfg.base_url}{self.api.path} refused a plain request "
                 f"(HTTP {r.status}: {_said(r)}): check base_url, model and the API key"
             )
         self.found.evidence.setdefault("token_param", f"{self.found.token_param}: accepted")
@@ -257,8 +254,8 @@ class Doctor:
         """canaryd's sampling parameters together; each refusal names one, which is dropped."""
         f = self.found
         while True:
-            left = [p for p in self.sampling if p not in f.refused]
-            r = self.ask(**{p: self.sampling[p] for p in left})
+            left = [p for p in self.api.sampling if p not in f.refused]
+            r = self.ask(**{p: self.api.sampling[p] for p in left})
             if r.ok:
                 f.evidence["sampling"] = f"accepted: {', '.join(left)}"
                 return
@@ -272,22 +269,13 @@ class Doctor:
 
     def _logprobs(self) -> None:
         f = self.found
-        kept = {p: v for p, v in self.sampling.items() if p not in f.refused}
-        if self.responses:  # logprobs come back only when include asks for them
-            r = self.ask(**kept, include=["message.output_text.logprobs"], top_logprobs=20)
-        else:
-            r = self.ask(**kept, logprobs=True, top_logprobs=20)
+        kept = {p: v for p, v in self.api.sampling.items() if p not in f.refused}
+        r = self.ask(**kept, **self.api.ask_logprobs())
         f.evidence["logprobs"] = _verdict(r)
         if not r.ok:
             f.logprobs = "refused"
             return
-        if self.responses:
-            parts = [p.get("logprobs") for p in _output_text(r.doc)]
-            lp = {"content": [e for part in parts if isinstance(part, list) for e in part]}
-        else:
-            choices = r.doc.get("choices") if isinstance(r.doc, dict) else None
-            choice = choices[0] if isinstance(choices, list) and choices else None
-            lp = choice.get("logprobs") if isinstance(choice, dict) else None
+        lp = self.api.logprobs(r.doc)
         if isinstance(lp, dict) and isinstance(lp.get("content"), list) and lp["content"]:
             f.logprobs = "returned"
             f.top_logprobs = max(
@@ -302,7 +290,7 @@ class Doctor:
         f.top_logprobs = min(f.top_logprobs, 20)
 
     def _completions(self) -> None:
-        body = {"model": self.cfg.model, "prompt": PROMPT, self.found.token_param: MAX_TOKENS}
+        body = {"model": self.cfg.model, "prompt": PROMPT, self.found.token_param: self.api.max_tokens}
         r = self.send("/completions", body)
         self.found.completions = r.ok
         self.found.evidence["completions"] = _verdict(r)
@@ -370,88 +358,6 @@ def preset_for(base_url: str, f: Findings) -> str | None:
     return None
 
 
-# -- TOML -----------------------------------------------------------------------------------------------
-def _value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int | float):
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v)  # a JSON string is a TOML basic string
-    if isinstance(v, list):
-        return "[" + ", ".join(_value(x) for x in v) + "]"
-    if isinstance(v, dict):
-        keys = (k if re.fullmatch(r"[A-Za-z0-9_-]+", k) else json.dumps(k) for k in v)
-        return "{ " + ", ".join(f"{k} = {_value(x)}" for k, x in zip(keys, v.values(), strict=True)) + " }"
-    raise TypeError(f"no TOML form for {type(v).__name__}")
-
-
-def to_toml(p: dict[str, Any], backend: str, preset: str | None = None) -> str:
-    lines = ["[backends.request]", f"# measured by `canaryd doctor {backend}`; these keys override a preset"]
-    if preset:
-        lines.append(f'# the closest named preset (by host) is preset = "{preset}"')
-    lines += [f"{k} = {_value(v)}" for k, v in p.items()]
-    return "\n".join(lines) + "\n"
-
-
-_HEADER = re.compile(r"^[ \t]*\[(\[)?[ \t]*([^\[\]#]+?)[ \t]*\]\]?[ \t]*(#.*)?$")
-
-
-def _key(line: str) -> tuple[bool, str] | None:
-    """(array table?, dotted key without spaces or quotes) of a table header line, else None."""
-    m = _HEADER.match(line.rstrip("\r\n"))
-    if not m:
-        return None
-    return bool(m.group(1)), re.sub(r"[ \t\"']", "", m.group(2))
-
-
-def insert_profile(path: Path, backend: str, block: str, p: dict[str, Any]) -> None:
-    """Write ``block`` as the backend's ``[backends.request]`` table, replacing one that is there; every
-    other line stays byte for byte. The result is parsed again and must be the old document with exactly
-    that table set, else nothing is written (`InputError`: paste the block by hand)."""
-    text = path.read_text(encoding="utf-8")
-    doc = tomllib.loads(text)
-    names = [b.get("name") for b in doc.get("backends", [])]
-    index = names.index(backend)
-    lines = text.splitlines(keepends=True)
-    heads = [(i, k) for i, line in enumerate(lines) if (k := _key(line)) is not None]
-    starts = [i for i, (array, key) in heads if array and key == "backends"]
-    if len(starts) != len(names):
-        raise InputError(f"{path}: backend {backend!r} is not a [[backends]] table; paste the block by hand")
-    start = starts[index]
-    end = next((i for i, (_, key) in heads if i > start and not key.startswith("backends.")), len(lines))
-    own = [(i, key) for i, (_, key) in heads if start < i < end]
-    drop = set()
-    for n, (i, key) in enumerate(own):
-        if key == "backends.request" or key.startswith("backends.request."):
-            stop = own[n + 1][0] if n + 1 < len(own) else end
-            drop.update(range(i, stop))
-    kept = [line for i, line in enumerate(lines[start:end], start) if i not in drop]
-    while kept and not kept[-1].strip():
-        kept.pop()
-    newline = "\r\n" if lines and lines[0].endswith("\r\n") else "\n"
-    if kept and not kept[-1].endswith(("\n", "\r")):
-        kept[-1] += newline
-    tail = lines[end:]
-    section = [*kept, newline, *block.replace("\n", newline).splitlines(keepends=True)]
-    if tail:
-        section.append(newline)
-    new = "".join(lines[:start] + section + tail)
-    expected = json.loads(json.dumps(doc, default=str))
-    expected["backends"][index]["request"] = p
-    try:
-        got = json.loads(json.dumps(tomllib.loads(new), default=str))
-    except tomllib.TOMLDecodeError:
-        got = None
-    if got != expected:
-        raise InputError(f"{path}: cannot place [backends.request] for {backend!r} safely; paste it by hand")
-    mode = path.stat().st_mode & 0o7777
-    tmp = path.with_name(f".{path.name}.doctor")
-    tmp.write_text(new, encoding="utf-8", newline="")
-    tmp.chmod(mode)
-    tmp.replace(path)
-
-
 # -- reading replies --------------------------------------------------------------------------------------
 def _said(r: Reply, limit: int | None = 160) -> str:
     """An error reply's message on one line (cut to ``limit`` characters)."""
@@ -486,15 +392,6 @@ def _reasoning(doc: Any) -> int | None:
     details = usage.get("completion_tokens_details") or usage.get("output_tokens_details")
     n = details.get("reasoning_tokens") if isinstance(details, dict) else None
     return n if isinstance(n, int) and not isinstance(n, bool) else None
-
-
-def _output_text(doc: Any) -> list[dict]:
-    """The ``output_text`` parts of a Responses API answer."""
-    items = doc.get("output") if isinstance(doc, dict) else None
-    parts = [
-        c for i in items or () if isinstance(i, dict) for c in i.get("content") or () if isinstance(c, dict)
-    ]
-    return [p for p in parts if p.get("type") == "output_text"]
 
 
 def _count(alternatives: Any) -> int:

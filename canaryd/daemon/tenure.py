@@ -1,0 +1,66 @@
+"""Which backends this daemon probes, pass to pass, in a fleet of daemons sharing one PostgreSQL database
+(`canaryd.store.leases`): each change of a lease is logged and exported."""
+
+from __future__ import annotations
+
+import threading
+
+import structlog
+
+from canaryd.daemon.metrics import Metrics
+from canaryd.store import Store
+
+log = structlog.get_logger("canaryd.daemon")
+
+
+class Tenure:
+    """Which backends this daemon probes, pass to pass: each change is logged and exported
+    (`Metrics.set_lease`). On SQLite every backend is held, silently."""
+
+    def __init__(self, store: Store, metrics: Metrics) -> None:
+        self.store, self.metrics = store, metrics
+        self.holders: dict[str, str | None] = {}  # backend -> its holder at the last claim
+        self._lock = threading.Lock()  # passes of several schedules claim at once
+
+    def claim(self, lease_s: dict[str, float], backends: list[str]) -> tuple[set[str], dict[str, float]]:
+        """Claim the backends' leases: (those this daemon holds now, the seconds until each other one's
+        lease ends). A claim that fails (the database is unreachable) holds nothing: the passes skip
+        them, and their last-probe times age."""
+        me = self.store.lease_holder
+        try:
+            leases = self.store.claim_leases({b: lease_s[b] for b in backends})
+        except Exception:
+            log.exception("lease.claim_failed", backends=backends)
+            return set(), {}
+        with self._lock:
+            for b, (holder, _) in leases.items():
+                before = self.holders.get(b, "")  # "": never claimed by this daemon
+                self.holders[b] = holder
+                if (before == me) == (holder == me) and before != "":
+                    continue
+                self.metrics.set_lease(b, holder == me)
+                if not self.store.leased:
+                    continue
+                if holder == me:  # a takeover (from a holder that died, hung or stopped) is worth a warning
+                    taken = before not in ("", None)
+                    (log.warning if taken else log.info)(
+                        "lease.acquired", backend=b, previous=before or None, seconds=lease_s[b]
+                    )
+                elif before == me:
+                    log.warning("lease.lost", backend=b, holder=holder)
+                else:
+                    log.info("lease.held_elsewhere", backend=b, holder=holder)
+        held = {b for b, lease in leases.items() if lease.holder == me}
+        return held, {b: lease.ends_in for b, lease in leases.items() if b not in held}
+
+    def forget(self, backends: set[str]) -> None:
+        """Backends a reload removed: their leases end now, and a later reload that adds one back starts
+        afresh (its series were dropped with it)."""
+        with self._lock:
+            for b in backends:
+                self.holders.pop(b, None)
+        if backends:
+            try:
+                self.store.release_leases(backends)
+            except Exception:
+                log.exception("lease.release_failed", backends=sorted(backends))
