@@ -40,7 +40,7 @@ def diff(before: dict[str, str], after: dict[str, str]) -> list[FieldChange]:
 # recording a field, or renames one. tests/unit/test_recorder.py keeps each version's digest of the fields
 # recorded from the recorded bodies, and fails until the bump. Stacks stored before the stamp are "1".
 RECORDER_FIELD = "canaryd.recorder"
-RECORDER = "2"
+RECORDER = "3"
 
 
 def stamped(fields: dict[str, str]) -> dict[str, str]:

@@ -11,10 +11,20 @@ The response's ``choices[0].prompt_logprobs`` holds, per prompt position, ``null
 object keyed by token id: ``{"logprob", "rank", "decoded_token"}`` for the top-k tokens plus the actual
 one. Tokens are named ``token_id:N`` as the ``vllm`` kind's generated tokens are (`vllm_server`), so a
 scored and a generated answer compare position by position.
+
+Every scoring request carries a fresh ``cache_salt`` (`cache_salt`), so it never reads a prefix another
+request left in vLLM's prefix cache: ``prompt_logprobs`` change with the order of requests while prefix
+caching is on, vLLM's default (vllm#42019: the positions a cache hit covers keep stale values; the fix, PR
+#42245, is open). vLLM derives a skip of the cache lookup from ``prompt_logprobs``
+(``skip_reading_prefix_cache`` in vllm/sampling_params.py), but that skip is derived, and a frontend that
+builds the request otherwise has lost it (ai-dynamo/dynamo#14323); a salt no other request shares holds
+whatever serves the request. It goes on the wire only: the recorded request (`score_request`), its hash and
+its stored body stay the same from probe to probe, so the canary keeps its baseline.
 """
 
 from __future__ import annotations
 
+import secrets
 from typing import Any
 
 from canaryd.backends.openai_request import request_hash
@@ -22,9 +32,23 @@ from canaryd.backends.openai_wire import InvalidResponse
 from canaryd.canaries import Canary
 from canaryd.observation import TokenLogprob, logprob_problem
 
+# The stack field of a kind whose scoring requests carry a fresh `cache_salt` each.
+SALTED = {"request.scoring_cache_salt": "per-request"}
+
+
+def cache_salt() -> str:
+    """A salt no other request shares. vLLM (>= 0.9) hashes a request's ``cache_salt`` into its first
+    prefix-cache block, and so into every block chained after it (``cache_salt`` on ``CompletionRequest`` in
+    vllm/entrypoints/openai/completion/protocol.py; ``cache_salt_keys`` in vllm/v1/core/kv_cache_utils.py):
+    requests with different salts never share a cached block. It takes a non-empty string of at most 128
+    characters without ``@``, ``/``, ``\\`` or NUL (``validate_cache_salt`` in
+    vllm/entrypoints/generate/base/protocol.py): 32 hex digits."""
+    return secrets.token_hex(16)
+
 
 def score_request(model: str, canary: Canary) -> dict:
-    """What a forced canary's scoring decides (recorded as its request; ids are filled in when sent)."""
+    """What a forced canary's scoring decides (recorded as its request; ids and a fresh ``cache_salt``
+    are filled in when sent)."""
     assert canary.continuation is not None
     body: dict[str, Any] = {"model": model}
     if canary.messages is not None:
@@ -64,8 +88,8 @@ def token_ids(body: Any, what: str) -> list[int]:
     return ids
 
 
-def completion_body(model: str, ids: list[int], k: int) -> dict:
-    """The completion request that scores ``ids`` (prompt + continuation)."""
+def completion_body(model: str, ids: list[int], k: int, salt: str) -> dict:
+    """The completion request that scores ``ids`` (prompt + continuation), salted with ``salt``."""
     return {
         "model": model,
         "prompt": ids,
@@ -73,6 +97,7 @@ def completion_body(model: str, ids: list[int], k: int) -> dict:
         "temperature": 0.0,
         "prompt_logprobs": k,
         "return_tokens_as_token_ids": True,
+        "cache_salt": salt,
     }
 
 

@@ -5,6 +5,8 @@ and names no GPU, so an unchanged fingerprint is not an unchanged stack. The sna
 reads ``/version``, ``/v1/models``, every ``*_info`` series on ``/metrics`` (their labels carry the
 cache config: kv-cache dtype, block size, number of blocks — a proxy for memory and hardware) and the
 token ids ``/tokenize`` gives a fixed chat, which moves when the tokenizer or chat template does.
+``request.scoring_cache_salt = per-request`` records that scoring requests (forced canaries, reference
+checks) carry a fresh ``cache_salt`` each, so a cached prefix never enters a score (`scoring.py`).
 
 What no endpoint shows (GPU, driver, torch build, installed packages, weight file hashes) the optional
 **host probe** adds when canaryd runs on the server's host: ``host_probe = { python =
@@ -176,7 +178,8 @@ class Prober(openai_compat.Prober):
         if not tail:
             raise wire.InvalidResponse("/tokenize (continuation): no tokens")
         ids = prompt + tail
-        body = self._post(f"{self.cfg.base_url}/completions", scoring.completion_body(model, ids, k))
+        salted = scoring.completion_body(model, ids, k, scoring.cache_salt())
+        body = self._post(f"{self.cfg.base_url}/completions", salted)
         obs.tokens = scoring.scored_tokens(body, ids, len(prompt), k)
         obs.text, obs.finish_reason = canary.continuation, "forced"
         obs.prompt_tokens, obs.completion_tokens = len(prompt), len(tail)
@@ -197,6 +200,7 @@ class Prober(openai_compat.Prober):
 
     def snapshot(self) -> dict[str, str]:
         fields = super().snapshot()
+        fields.update(scoring.SALTED)  # forced canaries and reference checks never read a cached prefix
         fields.update(section("vllm", self._version))
         fields.update(section("models", self._models))
         fields.update(section("metrics", self._metrics))

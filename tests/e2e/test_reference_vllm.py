@@ -8,17 +8,25 @@ or 4-bit round trip of the weights, or a differently seeded model of the same sh
 logprobs (``provider-lp``, two short canaries): its logprob gap is exactly 0 on the same weights, and
 other weights are a mismatch by it. The provider's server is also probed as
 kind ``vllm`` with forced canaries (a fixed continuation scored token by token): identical across passes,
-a logprob drift once its weights change. Five server starts (one reference, four providers), about 40 s each.
+a logprob drift once its weights change. Every scoring request carries a fresh ``cache_salt``, which the
+real server takes and which changes no score on CPU. Five server starts (one reference, four providers),
+about 40 s each.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import time
 
+import httpx2
 import pytest
 
+from canaryd.backends import scoring, vllm_server
+from canaryd.canaries import load_suite
 from canaryd.lab.vllm_process import VLLMServer, free_port
 from tests.e2e.conftest import REPO
+from tests.harness.faultproxy import FaultProxy
 from tests.harness.lab import Lab
 
 pytestmark = pytest.mark.vllm
@@ -95,9 +103,13 @@ reference = "ref"
 
 
 @pytest.fixture(scope="module")
-def lab(tmp_path_factory, tiny_model):
+def ref_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory, tiny_model, ref_port):
     root = tmp_path_factory.mktemp("reference")
-    ref_port = free_port()
     config = CONFIG.format(default=REPO / "canaries" / "default.toml", ref_port=ref_port)
     lab = Lab(root, FORCED, config)
     (root / "plain.toml").write_text(PLAIN)
@@ -199,3 +211,64 @@ def test_other_weights_are_a_reference_mismatch_within_one_cycle(lab, variant, r
         f"{parting:.4f} nats; "
         f"{len(mismatched)}/{len(provider)} canaries out"
     )
+
+
+def _cache_counters(root: str) -> tuple[float, float]:
+    """vLLM's prefix-cache counters: (tokens looked up, tokens found cached)."""
+    text = httpx2.get(f"{root}/metrics", timeout=30).text
+
+    def total(name: str) -> float:
+        return sum(float(v) for v in re.findall(rf"^vllm:{name}_total\{{[^}}]*\}} (\S+)$", text, re.M))
+
+    return total("prefix_cache_queries"), total("prefix_cache_hits")
+
+
+def _after(root: str, before: tuple[float, float], post: dict) -> tuple[float, float]:
+    """The counters' growth over one completion request (vLLM counts a request as it finishes)."""
+    assert httpx2.post(f"{root}/v1/completions", json=post, timeout=60).status_code == 200
+    deadline = time.monotonic() + 10
+    while (now := _cache_counters(root))[0] == before[0] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return now[0] - before[0], now[1] - before[1]
+
+
+def test_scoring_requests_carry_a_fresh_cache_salt_vllm_takes_and_no_score_moves(lab, ref_port):
+    """Each scoring request (forced canaries, reference checks) is salted afresh: the real server answers
+    200, the snapshot records it, and on CPU the salted scores are the unsalted ones bit for bit. The salt
+    does what it is for: a prefix the same ids left in the cache is found by an unsalted request, never by
+    a salted one."""
+    root = f"http://127.0.0.1:{ref_port}"
+    proxy = FaultProxy(root)
+    settings = vllm_server.Settings(name="ref", base_url=f"{proxy.url}/v1", model="tiny", timeout_s=120)
+    prober = vllm_server.Prober(settings)
+    try:
+        assert prober.snapshot()["request.scoring_cache_salt"] == "per-request"
+        canaries = load_suite(lab.root / "suite.toml").canaries
+        scored = [(c, prober.attempt(c)) for c in canaries for _ in range(2)]
+    finally:
+        prober.close()
+        proxy.stop()
+    assert all(obs.ok for _, obs in scored), [obs.error for _, obs in scored]
+    sent = [json.loads(body) for path, body in proxy.posted if path.endswith("/completions")]
+    salts = [body["cache_salt"] for body in sent]
+    assert len(salts) == len(scored) and len(set(salts)) == len(salts), salts
+    for body, (canary, obs) in zip(sent, scored, strict=True):
+        assert obs.tokens and "cache_salt" not in obs.request
+        unsalted = {k: v for k, v in body.items() if k != "cache_salt"}
+        reply = httpx2.post(f"{root}/v1/completions", json=unsalted, timeout=60)
+        assert reply.status_code == 200, reply.text
+        ids, k = body["prompt"], canary.decoding.top_logprobs
+        plain = scoring.scored_tokens(reply.json(), ids, len(ids) - len(obs.tokens), k)
+        assert plain == obs.tokens  # every logprob, the top-k's included, to the bit
+    assert len({(o.canary_id, o.request_hash, o.request_ref) for _, o in scored}) == len(canaries)
+    # Full cache blocks (128 tokens each on CPU) of the scored ids, generated without prompt_logprobs so that
+    # vLLM looks the cache up: after a first unsalted request, a salted one finds none of it cached and an
+    # unsalted one finds its full blocks.
+    ids = (sent[0]["prompt"] * 8)[:300]
+    body = {"model": "tiny", "prompt": ids, "max_tokens": 1, "temperature": 0.0}
+    _after(root, _cache_counters(root), body)
+    looked, salted = _after(root, _cache_counters(root), {**body, "cache_salt": scoring.cache_salt()})
+    assert looked == len(ids) and salted == 0
+    looked, found = _after(root, _cache_counters(root), body)
+    assert looked == len(ids) and 0 < found < len(ids)
+    print(f"\nprefix cache, {len(ids)} tokens seen before: salted found {salted:g}, unsalted {found:g}")

@@ -2,7 +2,8 @@
 
 Introspection calls always pass through; the probes themselves (POST …/completions) get the fault named by
 ``mode``. Every fault is something a real deployment produces: a hung upstream, 429 with Retry-After,
-5xx, a 200 whose body is not JSON, a body cut mid-way, a response without logprobs.
+5xx, a 200 whose body is not JSON, a body cut mid-way, a response without logprobs. Every POST is kept
+(`posted`: path and body), as the proxy received it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class FaultProxy:
         self.mode = "pass"
         self.fail_first = 0  # with mode "pass": fail this many probes with 503 first (retry tests)
         self.probe_hits = 0
+        self.posted: list[tuple[str, bytes]] = []
         self.hang_s = hang_s
         self.lock = threading.Lock()
         self.client = httpx2.Client(timeout=30)
@@ -59,6 +61,7 @@ class FaultProxy:
 
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                proxy.posted.append((self.path, body))
                 if not self.path.endswith("completions"):
                     r = self._forward(body)
                     return self._send(r.status_code, r.content)

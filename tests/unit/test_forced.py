@@ -9,9 +9,12 @@ real server sent (tests/fixtures/scoring/).
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import pytest
+from sqlalchemy import text
 
 from canaryd.backends import openai_wire as wire
 from canaryd.backends import scoring
@@ -19,6 +22,7 @@ from canaryd.canaries import Canary
 from canaryd.errors import InputError
 from canaryd.probe.shapes import FORCED, shape_of
 from tests.harness.fixtures import load
+from tests.harness.replay import Server
 from tests.harness.scripted_lab import PLAIN, ScriptedLab, by_id, change, scripted, verdicts
 
 FORCED_SUITE = """
@@ -193,6 +197,62 @@ def test_the_scoring_request_names_continuation_and_prompt_logprobs_and_hashes_s
     assert scoring.score_hash("m", c) == scoring.score_hash("m", c.model_copy())
     assert scoring.score_hash("m", c) != scoring.score_hash("m", c.model_copy(update={"continuation": "!"}))
     assert scoring.tokenize_continuation("m", c)["add_special_tokens"] is False
+
+
+class ScoringReplay(Server):
+    """vLLM's scoring endpoints, answered from the recorded scoring (tests/fixtures/scoring/): ``/tokenize``
+    gives the recorded prompt's ids for messages and the continuation's for text, ``/v1/completions`` the
+    recorded ``prompt_logprobs`` when asked for those ids, ``/version`` vLLM's recorded answer; the rest is
+    404, as for an endpoint vLLM lacks. Every completion body is kept (`sent`)."""
+
+    def __init__(self) -> None:
+        self.rec = _recorded()
+        self.sent: list[dict] = []
+        super().__init__()
+
+    def _answer(self, method: str, url: str, headers, raw: bytes) -> tuple[int, dict[str, str], object]:
+        ids, start = self.rec["ids"], self.rec["continuation_start"]
+        if (method, url) == ("GET", "/version"):
+            return 200, {}, load("engines/vllm-detect/version")["body"]
+        if (method, url) == ("POST", "/tokenize"):
+            tokens = ids[:start] if "messages" in json.loads(raw) else ids[start:]
+            return 200, {}, {"count": len(tokens), "max_model_len": 256, "tokens": tokens}
+        if (method, url) == ("POST", "/v1/completions"):
+            asked = json.loads(raw)
+            self.sent.append(asked)
+            if asked.get("prompt") != ids or asked.get("prompt_logprobs") != 5:
+                return 400, {}, {"error": {"message": "not the recorded scoring request"}}
+            return 200, {}, self.rec["response"]
+        return 404, {}, {"detail": "Not Found"}
+
+
+def test_vllm_scoring_requests_carry_a_fresh_cache_salt_that_stays_out_of_hash_ref_and_store(make):
+    """Each scoring request gets its own ``cache_salt`` on the wire (it never reads a cached prefix), the
+    stack says so, and the canary keeps its baseline: the recorded request, its hash and its stored body
+    are the same every pass, so the ``request`` table holds one row for any number of probes."""
+    rec = _recorded()
+    suite = FORCED_SUITE.split('[[canary]]\nid = "forced-raw"')[0]
+    assert rec["continuation"] == "Paris" and rec["messages"][0]["content"] in suite  # what was recorded
+    with ScoringReplay() as server:
+        backend = f'name = "local"\nkind = "vllm"\nbase_url = "{server.url}/v1"\nmodel = "tiny"\n'
+        lab = make(f"[[backends]]\n{backend}retry_backoff = 0\n", {"forced.toml": suite})
+        runs = [lab.cycle("local") for _ in range(3)]
+    assert [verdicts(r) for r in runs] == [
+        {"forced-chat": "baseline"},
+        {"forced-chat": "identical"},
+        {"forced-chat": "identical"},
+    ]
+    salts = [body["cache_salt"] for body in server.sent]
+    assert len(salts) == 3 and len(set(salts)) == 3 and all(re.fullmatch("[0-9a-f]{32}", s) for s in salts)
+    observations = [by_id(r)["forced-chat"].observation for r in runs]
+    assert all(o.stack["request.scoring_cache_salt"] == "per-request" for o in observations)
+    assert all("cache_salt" not in o.request for o in observations)
+    assert len({(o.request_hash, o.request_ref) for o in observations}) == 1
+    assert lab.store.baseline("local", "forced-chat").observation.request_hash == observations[0].request_hash
+    with lab.store.engine.connect() as db:
+        stored = db.execute(text("select hash, body from request")).all()
+    assert [h for h, _ in stored] == [observations[0].request_ref]
+    assert "cache_salt" not in json.loads(stored[0][1])
 
 
 def test_the_shipped_forced_suite_loads_and_is_all_forced():

@@ -17,7 +17,7 @@ import structlog
 from rich.console import Console
 
 from canaryd import stack
-from canaryd.backends import engine_args, hostfacts, llamacpp, ollama, openai_compat, sglang, tgi
+from canaryd.backends import engine_args, hostfacts, llamacpp, ollama, openai_compat, scoring, sglang, tgi
 from canaryd.backends import openai_wire as wire
 from canaryd.backends.openai_headers import GATEWAY_HEADERS, RECORDED_HEADERS
 from canaryd.report.console import show_stacks
@@ -30,7 +30,7 @@ from tests.harness.scripted_lab import scripted, verdicts
 
 CHATS = sorted(fixtures.ROOT.glob("providers/*/chat.json"))
 # Each recorder version's digest of what canaryd records from the recorded bodies (`recorded_names`).
-DIGESTS = {"2": "57399d51893641f2"}
+DIGESTS = {"2": "57399d51893641f2", "3": "6e1b721c31554b16"}
 # Names the secret rule decides on besides every key of the recorded bodies.
 NAMES = (
     "api_key_env",
@@ -82,6 +82,7 @@ def recorded_names() -> list[str]:
         **ollama.show_fields(body("engines/ollama/show")),
         **hostfacts.env_facts(ENVIRON),
         **engine_args.engine_fields(engine_args.parse_args(ARGV)),
+        **scoring.SALTED,
         **stack.stamped({}),
     }
     prober = openai_compat.Prober(
