@@ -195,6 +195,26 @@ def test_the_scoring_request_names_continuation_and_prompt_logprobs_and_hashes_s
     assert scoring.tokenize_continuation("m", c)["add_special_tokens"] is False
 
 
+def test_the_vllm_kind_scores_within_the_profile_top_k_and_keeps_the_baseline_key():
+    """A server started with ``--max-logprobs 2`` refuses ``prompt_logprobs`` above 2 as it refuses
+    ``top_logprobs``: ``request.top_logprobs = 2`` caps both, and the canary keeps its baseline."""
+    from canaryd.backends import vllm_server
+
+    c = Canary(id="x", prompt="Say", continuation=" ok", decoding={"top_logprobs": 5})
+    plain = vllm_server.Prober(vllm_server.Settings(name="v", base_url="http://127.0.0.1:9/v1", model="m"))
+    capped = vllm_server.Prober(
+        vllm_server.Settings(
+            name="v", base_url="http://127.0.0.1:9/v1", model="m", request={"top_logprobs": 2}
+        )
+    )
+    try:
+        assert plain.request(c)["prompt_logprobs"] == 5 and capped.request(c)["prompt_logprobs"] == 2
+        assert capped.request_hash(c) == plain.request_hash(c)
+    finally:
+        plain.close()
+        capped.close()
+
+
 def test_the_shipped_forced_suite_loads_and_is_all_forced():
     from canaryd.canaries import load_suite
 
