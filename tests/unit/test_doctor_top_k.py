@@ -122,8 +122,8 @@ def test_a_server_that_refuses_even_top_1_gets_logprobs_off(capped) -> None:
 
 
 def test_a_server_that_clamps_silently_shows_in_the_top_k_it_returns(capped) -> None:
-    """An engine that clamps instead of refusing (older llama.cpp builds capped the legacy endpoint's
-    logprobs at 5): the profile asks for the top-k that came back."""
+    """An engine that clamps instead of refusing (llama.cpp returns no more alternatives than the candidates
+    left after sampling): the profile asks for the top-k that came back."""
     server = capped("vllm", doctor.TOP_K_MAX, clamp=4)
     found = doctor.discover(server.settings)
     assert server.asked == [doctor.TOP_K_MAX]
