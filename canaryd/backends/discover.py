@@ -9,8 +9,12 @@ capped at `MAX_TOKENS` answer tokens, and there are at most `MAX_REQUESTS`, so t
 the first one is an upper bound.
 
 A refusal names what it refused (OpenAI's ``param``, pydantic's ``loc``, or the message's words):
-`named` reads it, and the next request goes without it. The profile is a plain dict in the shape of the
-request profile (``canaryd.backends.profile``, which also writes it into the config file).
+`named` reads it, and the next request goes without it. A server that caps top-k logprobs (vLLM's
+``--max-logprobs``, TGI's ``--max-top-n-tokens``) keeps its logprobs: the cap its refusal names is asked
+next, and a refusal of ``top_logprobs`` that names no cap is bisected over a few more requests, so the
+profile asks for the largest top-k the server accepts instead of turning logprobs off. The profile is a
+plain dict in the shape of the request profile (``canaryd.backends.profile``, which also writes it into
+the config file).
 
 The requests go through the backend's own kind: its ``Prober`` (the key, the connection limits, the wire
 form of a body) and its API's shape, the chat completions `Dialect` unless the kind declares another
@@ -24,14 +28,16 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
-from canaryd.backends import declared
+from canaryd.backends import declared, refusals
 from canaryd.backends.base import HttpSettings
 from canaryd.backends.detect import constant_fingerprint
+from canaryd.backends.profile import TOP_K_MAX
 from canaryd.errors import InputError
 
 PROMPT = "Say OK."
 MAX_TOKENS = 8  # answer tokens per request (a reasoning model's hidden tokens count within it)
 MAX_REQUESTS = 10
+AFTER_LOGPROBS = 3  # requests kept for what is asked after logprobs (/completions, reasoning effort, seed)
 PROMPT_TOKENS = 40  # bound on a one-line prompt's count: the chat template and a provider's own preamble
 # The sampling parameters canaryd sends with every canary, at a canary's usual values.
 SAMPLING: dict[str, Any] = {
@@ -90,8 +96,8 @@ class Dialect:
             **extra,
         }
 
-    def ask_logprobs(self) -> dict[str, Any]:
-        return {"logprobs": True, "top_logprobs": 20}
+    def ask_logprobs(self, k: int) -> dict[str, Any]:
+        return {"logprobs": True, "top_logprobs": k}
 
     def logprobs(self, doc: Any) -> Any:
         """The answer's logprobs object (``content`` entries, or the legacy parallel lists)."""
@@ -131,7 +137,7 @@ class Findings:
     token_param: str = "max_tokens"
     refused: list[str] = field(default_factory=list)  # sampling parameters refused
     logprobs: str = "untested"  # returned | legacy | ignored | refused
-    top_logprobs: int = 0  # alternatives returned per token (at most 20 asked)
+    top_logprobs: int = 0  # alternatives returned per token (at most TOP_K_MAX asked, fewer under a cap)
     completions: bool = False
     fingerprint: str | None = None
     reasoning_tokens: int | None = None  # in the plain answer's usage details
@@ -269,9 +275,13 @@ class Doctor:
 
     def _logprobs(self) -> None:
         f = self.found
-        kept = {p: v for p, v in self.api.sampling.items() if p not in f.refused}
-        r = self.ask(**kept, **self.api.ask_logprobs())
+        r = self._top_k(TOP_K_MAX)
         f.evidence["logprobs"] = _verdict(r)
+        if not r.ok and (cap := refusals.top_k_limit(r.status, r.text)) is not None:
+            r = self._top_k(cap)
+            f.evidence["logprobs"] += f"; top {cap}, the cap it names: {_verdict(r)}"
+        elif not r.ok and r.status in (400, 422) and named(r, ("top_logprobs",)):
+            r = self._largest_top_k()
         if not r.ok:
             f.logprobs = "refused"
             return
@@ -287,7 +297,31 @@ class Doctor:
             f.top_logprobs = max(map(_count, tops), default=0) if isinstance(tops, list) else 0
         else:
             f.logprobs = "ignored"
-        f.top_logprobs = min(f.top_logprobs, 20)
+        f.top_logprobs = min(f.top_logprobs, TOP_K_MAX)
+
+    def _top_k(self, k: int) -> Reply:
+        kept = {p: v for p, v in self.api.sampling.items() if p not in self.found.refused}
+        return self.ask(**kept, **self.api.ask_logprobs(k))
+
+    def _largest_top_k(self) -> Reply:
+        """After a ``top_logprobs`` refusal that names no cap: top 1, then bisection between the largest
+        top-k accepted and the smallest refused, while the request cap leaves room for the questions after
+        it. Returns the reply of the largest accepted (or the refusal of top 1: no logprobs at all)."""
+        evidence = self.found.evidence
+        best = self._top_k(1)
+        evidence["logprobs"] += f"; top 1: {_verdict(best)}"
+        if not best.ok:
+            return best
+        lo, hi = 1, TOP_K_MAX
+        while hi - lo > 1 and MAX_REQUESTS - self.found.requests > AFTER_LOGPROBS:
+            mid = (lo + hi) // 2
+            r = self._top_k(mid)
+            if r.ok:
+                best, lo = r, mid
+            else:
+                hi = mid
+        evidence["logprobs"] += f"; bisected: top {lo} accepted, top {hi} refused"
+        return best
 
     def _completions(self) -> None:
         body = {"model": self.cfg.model, "prompt": PROMPT, self.found.token_param: self.api.max_tokens}

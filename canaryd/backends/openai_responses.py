@@ -68,8 +68,8 @@ class Doctor(discover.Dialect):
     def body(self, model: str, token_param: str, **extra: Any) -> dict:
         return {"model": model, "input": discover.PROMPT, token_param: self.max_tokens, **extra}
 
-    def ask_logprobs(self) -> dict[str, Any]:
-        return {"include": ["message.output_text.logprobs"], "top_logprobs": 20}
+    def ask_logprobs(self, k: int) -> dict[str, Any]:
+        return {"include": ["message.output_text.logprobs"], "top_logprobs": k}
 
     def logprobs(self, doc: Any) -> Any:
         parts = [p.get("logprobs") for p in _output_text(doc)]

@@ -41,6 +41,7 @@ Param = Literal[
 # Body keys extra_body may not replace: they carry the canary itself.
 RESERVED = frozenset({"model", "messages", "prompt", "input"})
 MAX_REASONING_TOKENS = 1 << 20
+TOP_K_MAX = 20  # the most top-k alternatives a profile asks for (OpenAI's own cap)
 
 
 class RequestProfile(Strict):
@@ -49,7 +50,7 @@ class RequestProfile(Strict):
     # require: an answer without logprobs is an error (``no_logprobs``); prefer: asked for, and an answer
     # without them is judged on text; off: not asked for.
     logprobs: Literal["require", "prefer", "off"] = "prefer"
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] = 20  # cap on the canary's own top-k
+    top_logprobs: Annotated[int, Field(ge=0, le=TOP_K_MAX)] = TOP_K_MAX  # cap on the canary's own top-k
     token_param: Literal["max_tokens", "max_completion_tokens", "none"] = "max_tokens"
     omit: tuple[Param, ...] = ()
     extra_body: dict[str, Any] = Field(default_factory=dict)  # merged into every body last, verbatim

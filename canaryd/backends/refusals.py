@@ -4,9 +4,12 @@ A provider that refuses a parameter or a value (OpenAI's ``unsupported_parameter
 Mistral's 422 ``extra_forbidden``, xAI's "Argument not supported", Groq's and Gemini's logprobs 400s,
 o4-mini's logprobs 403, Anthropic's ``temperature`` + ``top_p``) will refuse the same request every time:
 that is `ErrorKind.CONFIG`, with a message naming the backend, the parameter and the request-profile key
-that fixes it, not an outage (``check`` exits 2 on it and the daemon stops re-sending it). Every other
-reply keeps its kind by status (401/403 ``auth``, 429 ``rate_limited``, 5xx, other 4xx). The bodies this
-was written against are under ``tests/fixtures/refusals/``, each with its source.
+that fixes it, not an outage (``check`` exits 2 on it and the daemon stops re-sending it). So is an engine
+that caps top-k logprobs below what was asked (vLLM's ``--max-logprobs``, TGI's ``--max-top-n-tokens``,
+SGLang's prefill-decode limit): the message names ``request.top_logprobs`` and the cap, read from the
+server's words by `top_k_limit`, which ``canaryd doctor`` also uses. Every other reply keeps its kind by
+status (401/403 ``auth``, 429 ``rate_limited``, 5xx, other 4xx). The bodies this was written against are
+under ``tests/fixtures/refusals/``, each with its source.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import json
 import re
 
+from canaryd.backends.profile import TOP_K_MAX
 from canaryd.observation import ErrorKind
 
 # The request parameters a profile can change, by the name the provider uses for them.
@@ -40,6 +44,15 @@ _REFUSED = re.compile(
 )
 _COMPLETIONS = re.compile(r"v1/completions|chat model", re.IGNORECASE)
 _CODE = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,39}$")
+# An engine's top-k cap in its own words: (what was capped, the cap). vLLM's SamplingParams
+# ("Requested sample|prompt logprobs of 5, which is greater than max allowed: 2"), TGI's router
+# ("`top_n_tokens` must be >= 0 and <= 5. Given: 20"), SGLang's prefill-decode split
+# ("top_logprobs_num 129 exceeds the maximum 128").
+_CAPS = (
+    re.compile(r"Requested (sample|prompt) logprobs of \d+, which is greater than max allowed: (\d+)"),
+    re.compile(r"`?(top_n_tokens)`? must be >= 0 and <= (\d+)"),
+    re.compile(r"(top_logprobs_num) \d+ exceeds the maximum (\d+)"),
+)
 
 # The profile key that fixes each refused parameter, and the preset that sets it for the usual family.
 _FIX = {
@@ -70,10 +83,30 @@ _FAMILY_PRESET = {
 def classify(status: int, body: str, backend: str) -> tuple[ErrorKind, str]:
     """The kind of an HTTP error reply and its one-line message (for the store, the logs and ``check``)."""
     message, code, param, family = _read(body)
+    if status in (400, 422) and (cap := _cap(message)) is not None:
+        what = "prompt_logprobs" if cap[0] == "prompt" else "top_logprobs"
+        scoring = " (the scoring of forced canaries and reference checks)" if cap[0] == "prompt" else ""
+        return ErrorKind.CONFIG, (
+            f"backend {backend!r}: HTTP {status}: the server refuses {what} above {cap[1]}{scoring}; "
+            f"set request.top_logprobs = {min(cap[1], TOP_K_MAX)}"
+        )
     refused = _refused(status, message, code, param)
     if refused is not None:
         return ErrorKind.CONFIG, _explain(backend, status, code, refused, family)
     return _status_kind(status), f"HTTP {status}: {(message or body.strip() or '(empty body)')[:300]}"
+
+
+def top_k_limit(status: int, body: str) -> int | None:
+    """The most top-k logprobs the server says it allows, when an error reply is such a cap."""
+    cap = _cap(_read(body)[0]) if status in (400, 422) else None
+    return None if cap is None else cap[1]
+
+
+def _cap(message: str) -> tuple[str, int] | None:
+    for pattern in _CAPS:
+        if m := pattern.search(message):
+            return m.group(1), int(m.group(2))
+    return None
 
 
 def _status_kind(status: int) -> ErrorKind:

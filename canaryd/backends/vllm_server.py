@@ -133,8 +133,17 @@ class Prober(openai_compat.Prober):
 
     def request(self, canary: Canary) -> dict:
         if canary.continuation is not None:
-            return scoring.score_request(self.cfg.model, canary)
+            return scoring.score_request(self.cfg.model, self._capped(canary))
         return super().request(canary)
+
+    def _capped(self, canary: Canary) -> Canary:
+        """The canary as scored: its top-k within the profile's ``top_logprobs``, as a generation's is
+        (a server started with ``--max-logprobs`` refuses ``prompt_logprobs`` above it too). The baseline
+        key stays the canary's own, as for every profile key."""
+        k = min(canary.decoding.top_logprobs, self.profile.top_logprobs)
+        if k == canary.decoding.top_logprobs:
+            return canary
+        return canary.model_copy(update={"decoding": canary.decoding.model_copy(update={"top_logprobs": k})})
 
     def request_hash(self, canary: Canary) -> str:
         if canary.continuation is not None:
@@ -168,7 +177,7 @@ class Prober(openai_compat.Prober):
 
     def _score(self, canary: Canary, obs: Observation) -> None:
         """Tokenize prompt and continuation, then score them in one prefill (`scoring.py`)."""
-        model, k = self.cfg.model, canary.decoding.top_logprobs
+        model, k = self.cfg.model, self._capped(canary).decoding.top_logprobs
         prompt = scoring.token_ids(
             self._post(f"{self.root}/tokenize", scoring.tokenize_prompt(model, canary)), "prompt"
         )

@@ -255,6 +255,26 @@ def test_vllm_scoring_requests_carry_a_fresh_cache_salt_that_stays_out_of_hash_r
     assert "cache_salt" not in json.loads(stored[0][1])
 
 
+def test_the_vllm_kind_scores_within_the_profile_top_k_and_keeps_the_baseline_key():
+    """A server started with ``--max-logprobs 2`` refuses ``prompt_logprobs`` above 2 as it refuses
+    ``top_logprobs``: ``request.top_logprobs = 2`` caps both, and the canary keeps its baseline."""
+    from canaryd.backends import vllm_server
+
+    c = Canary(id="x", prompt="Say", continuation=" ok", decoding={"top_logprobs": 5})
+    plain = vllm_server.Prober(vllm_server.Settings(name="v", base_url="http://127.0.0.1:9/v1", model="m"))
+    capped = vllm_server.Prober(
+        vllm_server.Settings(
+            name="v", base_url="http://127.0.0.1:9/v1", model="m", request={"top_logprobs": 2}
+        )
+    )
+    try:
+        assert plain.request(c)["prompt_logprobs"] == 5 and capped.request(c)["prompt_logprobs"] == 2
+        assert capped.request_hash(c) == plain.request_hash(c)
+    finally:
+        plain.close()
+        capped.close()
+
+
 def test_the_shipped_forced_suite_loads_and_is_all_forced():
     from canaryd.canaries import load_suite
 

@@ -1,6 +1,7 @@
 """`refusals.classify` on recorded provider error bodies (``tests/fixtures/refusals/``, each naming its
 source): a refused parameter or value is a ``config`` error naming the backend, the parameter and the fix;
-everything else keeps its kind by status. Then through the ``openai`` kind against a local HTTP server."""
+so is an engine's top-k cap (vLLM, TGI, SGLang), with the cap read from its message; everything else keeps
+its kind by status. Then through the ``openai`` kind against a local HTTP server."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from canaryd.backends import openai_compat
-from canaryd.backends.refusals import classify
+from canaryd.backends.refusals import classify, top_k_limit
 from canaryd.canaries import load_suites
 from canaryd.observation import ErrorKind
 from tests.harness.fixtures import every, load, read
@@ -21,7 +22,8 @@ CASES = every("refusals")
 
 def test_every_family_the_issue_names_has_a_recorded_body():
     names = {p.stem for p in CASES}
-    for family in ("openai", "azure", "groq", "mistral", "xai", "anthropic", "gemini"):
+    families = ("openai", "azure", "groq", "mistral", "xai", "anthropic", "gemini", "vllm", "tgi", "sglang")
+    for family in families:
         assert any(n.startswith(family) for n in names), family
     assert sum(read(p)["expect"]["kind"] == "config" for p in CASES) >= 12
 
@@ -39,9 +41,46 @@ def test_a_recorded_body_is_classified_as_its_fixture_says(path):
         assert expect["fix"] in message, message
         if "preset" in expect:
             assert f'preset = "{expect["preset"]}"' in message, message
+        assert top_k_limit(doc["status"], json.dumps(doc["body"])) == expect.get("limit")
     else:
         assert message.startswith(f"HTTP {doc['status']}: "), message
         assert "the server refuses" not in message  # no fix offered for what no profile key fixes
+
+
+@pytest.mark.parametrize("name", ["vllm-max-logprobs-chat", "vllm-max-logprobs-completions"])
+def test_a_vllm_started_with_max_logprobs_2_names_the_profile_key_and_its_cap(name):
+    doc = load(f"refusals/{name}")
+    assert classify(400, json.dumps(doc["body"]), "v") == (
+        ErrorKind.CONFIG,
+        "backend 'v': HTTP 400: the server refuses top_logprobs above 2; set request.top_logprobs = 2",
+    )
+
+
+def test_the_prompt_logprobs_cap_names_the_scoring_it_stops_and_the_same_key():
+    doc = load("refusals/vllm-max-logprobs-prompt")
+    kind, message = classify(400, json.dumps(doc["body"]), "v")
+    assert kind is ErrorKind.CONFIG
+    assert "refuses prompt_logprobs above 2 (the scoring of forced canaries" in message
+    assert message.endswith("set request.top_logprobs = 2")
+
+
+def test_a_cap_above_what_a_profile_can_ask_gives_a_valid_fix():
+    doc = load("refusals/sglang-pd-top-logprobs")
+    assert top_k_limit(400, json.dumps(doc["body"])) == 128
+    assert classify(400, json.dumps(doc["body"]), "s")[1].endswith("above 128; set request.top_logprobs = 20")
+
+
+@pytest.mark.parametrize(
+    ("status", "body"),
+    [
+        (500, '{"error": "Requested sample logprobs of 5, which is greater than max allowed: 2"}'),
+        (401, '{"error": "`top_n_tokens` must be >= 0 and <= 5. Given: 20"}'),
+        (400, '{"error": {"message": "max_tokens must be >= 0 and <= 5"}}'),  # no top-k field named
+    ],
+)
+def test_a_cap_is_only_read_from_a_4xx_that_names_top_k(status, body):
+    assert top_k_limit(status, body) is None
+    assert classify(status, body, "b")[0] is not ErrorKind.CONFIG
 
 
 def test_the_message_of_the_issue():
