@@ -114,7 +114,16 @@ from canaryd.lab.tinymodel import perturb_weights  # noqa: E402
 from canaryd.stack import configuration_of  # noqa: E402
 from tests.harness.balancer import Balancer  # noqa: E402
 
-SHIM_SIGMAS = (0.003, 0.02)  # nats: σ_mode of the synthetic noise
+SHIM_SIGMAS = (0.003, 0.02)  # nats: σ_mode of the synthetic Gaussian modes
+SHIM_LEVELS = (*SHIM_SIGMAS, "gpu-bf16")  # and a preset of the realistic model (docs/detection.md)
+
+
+def shim_label(level: float | str) -> str:
+    return f"σ_mode = {level:g} nats" if isinstance(level, float) else f"realistic model {level}"
+
+
+def shim_jitter(level: float | str) -> str:
+    return f"jitter {SHIM_JITTER:g}·σ_mode" if isinstance(level, float) else "paths bit-exact, cache hits"
 
 
 @dataclass(frozen=True)
@@ -334,10 +343,10 @@ def main() -> None:
     real_figs = figures(real, ladder, c, tokens)
     phases["real analysis"] = time.perf_counter() - t
     t = time.perf_counter()
-    with ProcessPoolExecutor(max_workers=min(len(SHIM_SIGMAS), os.cpu_count() or 1)) as pool:
+    with ProcessPoolExecutor(max_workers=min(len(SHIM_LEVELS), os.cpu_count() or 1)) as pool:
         jobs = {
             sigma: pool.submit(shim_outcomes, sigma, ref, servers, settings, args.alpha, args.seed)
-            for sigma in SHIM_SIGMAS
+            for sigma in SHIM_LEVELS
         }
         shim = {sigma: job.result() for sigma, job in jobs.items()}
     shim_tokens = {name: tokens.get(name, tokens["canaryd"]) for name, _ in next(iter(shim.values()))}
@@ -383,18 +392,18 @@ def main() -> None:
     print()
     print("targets (canaryd, REAL):")
     print("\n".join(f"- {line}" for line in targets(real_figs, real, tokens, c, scored)))
-    for sigma in SHIM_SIGMAS:
+    for sigma in SHIM_LEVELS:
         print()
         print(
-            f"SYNTHETIC noise shim, σ_mode = {sigma:g} nats ({SHIM_MODES} modes, jitter "
-            f"{SHIM_JITTER:g}·σ_mode, mix redrawn per simulated day; {settings.deployments} deployments; "
+            f"SYNTHETIC noise shim, {shim_label(sigma)} ({SHIM_MODES} modes, {shim_jitter(sigma)}, "
+            f"mix redrawn per simulated day; {settings.deployments} deployments; "
             f"N0 over {settings.null_trials} trials); text methods unchanged by it (the real rows hold)"
         )
         print(power_table(shim[sigma], shim_figs[sigma], order, settings.r_probes))
         print()
-        print(f"SYNTHETIC σ_mode = {sigma:g}, per method")
+        print(f"SYNTHETIC {shim_label(sigma)}, per method")
         print(method_table(shim_figs[sigma], settings.r_probes))
-        print(f"targets (canaryd, SYNTHETIC σ_mode = {sigma:g}):")
+        print(f"targets (canaryd, SYNTHETIC {shim_label(sigma)}):")
         print("\n".join(f"- {line}" for line in targets(shim_figs[sigma], shim[sigma], tokens, c, scored)))
     print()
     print(f"wall time {wall:.0f} s: " + ", ".join(f"{k} {v:.0f} s" for k, v in phases.items()))
@@ -420,8 +429,8 @@ def main() -> None:
             "real": real_figs,
             "targets": {"real": targets(real_figs, real, tokens, c, scored)}
             | {
-                f"synthetic {sigma:g}": targets(shim_figs[sigma], shim[sigma], tokens, c, scored)
-                for sigma in SHIM_SIGMAS
+                f"synthetic {sigma}": targets(shim_figs[sigma], shim[sigma], tokens, c, scored)
+                for sigma in SHIM_LEVELS
             },
             "synthetic": {
                 "modes": SHIM_MODES,

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from canaryd.backends import Backend, make_backend, vllm_server
+from canaryd.backends.noise import NoiseModel, Preset, Realistic, Route
 from canaryd.canaries import Canary, Decoding, load_suite
 from canaryd.config import CompareConfig
 from canaryd.lab.tinymodel import build_tiny_model
@@ -259,16 +260,24 @@ class Shim:
 
     Batched GPU serving does not jitter around one value; a request takes one of a few numerical paths
     (modes) whose mix follows the load (docs/detection-research.md §1.4, §2.4). Here each canary has
-    SHIM_MODES modes, each a fixed offset N(0, σ_mode) per (position, token) coordinate; a simulated day
-    draws the mode mix (Dirichlet(1)); each probe takes a mode from its day's mix, plus iid jitter. The
-    chosen token and the same token among the top-k move together. Tokens never change, so the shim has no
-    greedy flips and leaves the text-only methods as they are.
+    SHIM_MODES modes; a simulated day draws the mode mix (Dirichlet(1)); each probe takes a mode from its
+    day's mix. ``level`` a number: each mode is a fixed offset N(0, σ_mode = level) per (position, token)
+    coordinate, plus iid jitter per probe. ``level`` a preset of the realistic noise model
+    (`canaryd.backends.noise`, as the scripted kind serves it): each mode is one of its paths, bit-exact,
+    with its heavy tails, and each probe hits the prefix cache at its rate; every deployment is a fresh
+    engine (its own offsets). The chosen token and the same token among the top-k move together. Tokens
+    never change (the model's near-tie and text flips are not applied), so the shim leaves the text-only
+    methods as they are.
     """
 
-    def __init__(self, sigma_mode: float, rng: random.Random) -> None:
-        self.sigma = sigma_mode
+    def __init__(self, level: float | Preset, rng: random.Random) -> None:
+        self.sigma = level if isinstance(level, float | int) else 0.0
         self.rng = rng
         self.offsets: dict[tuple[str, int, int, str], float] = {}
+        self.model = None
+        if isinstance(level, str):
+            cfg = NoiseModel(preset=level, paths=SHIM_MODES)
+            self.model = Realistic(cfg, key=f"shim-{rng.getrandbits(64)}")
 
     def day(self) -> list[float]:
         weights = [self.rng.gammavariate(1.0, 1.0) for _ in range(SHIM_MODES)]
@@ -277,8 +286,12 @@ class Shim:
     def __call__(self, obs: Observation, mix: Sequence[float]) -> Observation:
         mode = self.rng.choices(range(SHIM_MODES), weights=mix)[0]
         moved: dict[tuple[int, str], float] = {}
+        model = self.model
+        route = Route(mode, self.rng.random() < model.cfg.cache_hits) if model else None
 
         def shift(pos: int, token: str) -> float:
+            if model is not None and route is not None:
+                return model.offset(obs.canary_id, pos, token, route)
             if (pos, token) not in moved:
                 key = (obs.canary_id, mode, pos, token)
                 if key not in self.offsets:

@@ -19,6 +19,7 @@ import numpy as np
 
 from bench.detection_lab import MAX_TOKENS, SHIM_CAL_DAYS, Served, Shim, check_key
 from bench.peers import lt_test, met_test
+from canaryd.backends.noise import Preset
 from canaryd.canaries import Canary
 from canaryd.config import CompareConfig
 from canaryd.judge import reference
@@ -399,10 +400,16 @@ def _shim_trial(
 
 
 def shim_outcomes(
-    sigma: float, ref: Reference, servers: dict[str, list[Served]], settings, alpha: float, seed: int
+    sigma: float | Preset,
+    ref: Reference,
+    servers: dict[str, list[Served]],
+    settings,
+    alpha: float,
+    seed: int,
 ) -> dict[tuple[str, str], dict[int, list[Outcome]]]:
     """canaryd (shipped, teacher-forced, reference) and LT when every logprob the tested server gives
-    carries SYNTHETIC mode noise of scale sigma (text methods are untouched: the shim never changes a token).
+    carries SYNTHETIC mode noise of scale sigma, or the realistic model's preset sigma (`Shim`; text methods
+    are untouched: the shim never changes a token).
 
     Each deployment draws fresh mode offsets and a fresh calibration (canaryd's K probes over SHIM_CAL_DAYS
     days; LT's reference window on one day); each trial is a new day for the tested server. The reference

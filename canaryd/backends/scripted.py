@@ -14,9 +14,21 @@ deterministic engine. ``changes`` script what moves and when, counted in cycles 
     logprob_shift = -0.01                      # ... every logprob moves: a silent numerical shift
     stack = { "engine.dtype" = "bfloat16" }
 
-Without an answer a canary gets its ``expect.answer`` (else ``ok``). ``noise`` adds Gaussian noise to
-every logprob of every attempt (a non-exact engine); ``distribution`` gives a sampled canary (temperature
-> 0) weighted answers, drawn from its seed when it has one.
+Without an answer a canary gets its ``expect.answer`` (else ``ok``). ``distribution`` gives a sampled
+canary (temperature > 0) weighted answers, drawn from its seed when it has one.
+
+Noise. ``noise`` adds Gaussian noise of that sd to every logprob of every attempt (a plain non-exact
+engine). ``noise_model`` serves the realistic model of `canaryd.backends.noise` instead (or as well): a
+request takes one of a few numerical paths by the load, each bit-exact, with heavy tails, prefix-cache
+hits, greedy flips at near ties and, for an API, text flips (docs/detection.md, "A realistic noise model"):
+
+    noise_model = { preset = "gpu-bf16" }    # or gpu-fp16, gpu-fp32, batch-invariant, api
+    # optional: paths = 4, load = 0.5, cache_hits = 0.5, ties = 0.0, text_flips = 0.24, scale = 1.0
+
+A change's ``noise_model`` replaces it from then on (more load, say); a fleet member may have its own.
+Every draw (the noise, the path, the fleet member, an unseeded sample) is fresh in every process, as a
+real engine's is, unless ``seed`` pins it; the paths themselves are the same in every process, as a
+restarted engine's are.
 
 ``logprobs = false`` answers without logprobs (Anthropic's or Gemini's OpenAI-compatible endpoints, most
 OpenRouter providers): the observation is judged on text, unless ``require_logprobs = true`` (as a profile
@@ -54,11 +66,12 @@ answers come from its own serving configuration. A change with ``member`` change
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
+import secrets
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -67,6 +80,7 @@ from pydantic import Field, model_validator
 from canaryd.backends import openai_wire as wire
 from canaryd.backends import refusals
 from canaryd.backends.base import BackendSettings, BackendUnavailable
+from canaryd.backends.noise import NoiseModel, Realistic, Route, unit
 from canaryd.backends.openai_request import request_body, request_hash
 from canaryd.canaries import Canary
 from canaryd.fields import Strict
@@ -93,6 +107,7 @@ class Change(Strict):
     text: str | None = None  # the answer, replaced
     logprob_shift: float = 0.0  # added to every logprob (clamped at 0)
     noise: Annotated[float, Field(ge=0)] | None = None
+    noise_model: NoiseModel | None = None  # replaces the realistic noise model (another load, say)
     fingerprint: str | None = None
     stack: dict[str, str] = Field(default_factory=dict)  # snapshot fields, added or replaced
     prompt_tokens_delta: int = 0  # e.g. a hidden system prompt
@@ -120,6 +135,7 @@ class Member(Strict):
     stack: dict[str, str] = Field(default_factory=dict)  # per-response fields (``response.provider`` ...)
     logprob_shift: float = 0.0  # another dtype's numerics
     noise: Annotated[float, Field(ge=0)] | None = None  # None: the backend's
+    noise_model: NoiseModel | None = None  # None: the backend's
     weight: Annotated[float, Field(gt=0)] = 1.0
 
 
@@ -131,7 +147,8 @@ class Settings(BackendSettings):
     fingerprint: str = "fp_scripted"
     stack: dict[str, str] = Field(default_factory=dict)
     noise: Annotated[float, Field(ge=0)] = 0.0
-    seed: int = 0
+    noise_model: NoiseModel | None = None
+    seed: int | None = None  # None: fresh draws in every process
     latency_s: Annotated[float, Field(ge=0, le=60)] = 0.0
     logprobs: bool = True  # False: every answer comes without logprobs
     require_logprobs: bool = False  # an answer without logprobs is a `no_logprobs` error
@@ -165,12 +182,6 @@ class Settings(BackendSettings):
         return True  # a forced canary or a reference check: see `Prober._scored`
 
 
-def _unit(*parts: object) -> float:
-    """A stable number in [0, 1) from its parts (the same in every process, unlike ``hash``)."""
-    digest = hashlib.sha256("\x1f".join(map(str, parts)).encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64
-
-
 def _refusal(param: str) -> str:
     """The body OpenAI answers a parameter a model does not take with (tests/fixtures/refusals/)."""
     message = f"Unsupported parameter: '{param}' is not supported with this model."
@@ -186,6 +197,9 @@ class Prober:
         self._attempts: dict[tuple[int, str], int] = {}
         self._draws = 0
         self._lock = threading.Lock()
+        # the noise differs between processes, as a real engine's does, unless the seed pins it
+        self.seed = cfg.seed if cfg.seed is not None else secrets.randbits(64)
+        self._models: dict[NoiseModel, Realistic] = {}
 
     def close(self) -> None:
         pass
@@ -247,12 +261,18 @@ class Prober:
         calls = self._calls(canary, active)
         text = wire.with_calls(None, calls) if calls else self._answer(canary, active, draw)
         obs.tool_calls = calls
-        shift, noise = self._shift_noise(active, member)
-        rng = random.Random(f"{self.cfg.seed}:{canary.id}:{draw}")
+        shift, noise, model = self._shift_noise(active, member)
+        rng = random.Random(f"{self.seed}:{canary.id}:{draw}")
+        route, ties = None, {}
+        if model is not None:
+            route = model.draw(random.Random(f"{self.seed}:{canary.id}:{draw}:route"))
+            text, ties = (text, {}) if calls else model.answer(canary.id, text, route)
         d = canary.decoding
         chars = list(text) if "max_tokens" in ignored else list(text)[: d.max_tokens]
+        moved = _moved(canary.id, model, route)
         obs.tokens = [
-            self._token(canary.id, i, ch, d.top_logprobs, shift, noise, rng) for i, ch in enumerate(chars)
+            self._token(canary.id, i, ch, d.top_logprobs, shift, noise, rng, moved, ties.get(i))
+            for i, ch in enumerate(chars)
         ]
         obs.text = "".join(chars)
         obs.finish_reason = "length" if len(chars) < len(text) else "stop"
@@ -269,10 +289,21 @@ class Prober:
                 obs.error_kind, obs.error = ErrorKind.NO_LOGPROBS, "response carries no logprobs"
         return obs
 
-    def _shift_noise(self, active: list[Change], member: Member | None) -> tuple[float, float]:
+    def _shift_noise(
+        self, active: list[Change], member: Member | None
+    ) -> tuple[float, float, Realistic | None]:
+        """The shift, the Gaussian sd and the realistic model that apply: a change's, else the member's,
+        else the backend's."""
         shift = sum(c.logprob_shift for c in active) + (member.logprob_shift if member else 0.0)
         own = member.noise if member and member.noise is not None else self.cfg.noise
-        return shift, next((c.noise for c in reversed(active) if c.noise is not None), own)
+        noise = next((c.noise for c in reversed(active) if c.noise is not None), own)
+        cfg = member.noise_model if member and member.noise_model is not None else self.cfg.noise_model
+        cfg = next((c.noise_model for c in reversed(active) if c.noise_model is not None), cfg)
+        if cfg is None:
+            return shift, noise, None
+        with self._lock:
+            model = self._models.setdefault(cfg, Realistic(cfg))
+        return shift, noise, model
 
     def _identify(self, obs: Observation, active: list[Change], member: Member | None) -> None:
         """The fingerprint and stack fields of the server (fleet member) that answered."""
@@ -289,7 +320,7 @@ class Prober:
             return None
         if self.cfg.fleet_pick == "round-robin":
             return fleet[(draw - 1) % len(fleet)]
-        rng = random.Random(f"{self.cfg.seed}:fleet:{draw}")
+        rng = random.Random(f"{self.seed}:fleet:{draw}")
         return rng.choices(fleet, weights=[m.weight for m in fleet])[0]
 
     # -- scoring: teacher forcing a given continuation (forced canaries, reference checks) ------------
@@ -301,16 +332,22 @@ class Prober:
         answer (or after the two parted) gets a lower logprob, by a stable penalty of 1 to 4 nats."""
         assert canary.continuation is not None
         own = self._answer(canary.model_copy(update={"continuation": None}), active, 0)
-        shift, noise = self._shift_noise(active, member)
-        rng = random.Random(f"{self.cfg.seed}:{canary.id}:forced:{self._draws}")
+        shift, noise, model = self._shift_noise(active, member)
+        rng = random.Random(f"{self.seed}:{canary.id}:forced:{self._draws}")
+        route = (
+            model.draw(random.Random(f"{self.seed}:{canary.id}:forced:{self._draws}:route"))
+            if model
+            else None
+        )
+        moved = _moved(canary.id, model, route)
         k, tokens, on_track = canary.decoding.top_logprobs, [], True
         for i, ch in enumerate(canary.continuation):
             on_track = on_track and i < len(own) and own[i] == ch
-            top = self._token(canary.id, i, own[i] if i < len(own) else ch, k, shift, noise, rng)
+            top = self._token(canary.id, i, own[i] if i < len(own) else ch, k, shift, noise, rng, moved)
             if on_track:
                 tokens.append(top)
                 continue
-            lp = min(0.0, top.logprob - 1.0 - 3.0 * _unit(canary.id, i, ch, "off"))
+            lp = min(0.0, top.logprob - 1.0 - 3.0 * unit(canary.id, i, ch, "off"))
             tokens.append(TokenLogprob(ch, lp, ord(ch), tuple(ch.encode()), top.top))
         obs.tokens, obs.text, obs.finish_reason = tokens, canary.continuation, "forced"
         prompt = canary.prompt or "".join(m.content for m in canary.messages or ())
@@ -343,7 +380,9 @@ class Prober:
         d = canary.decoding
         weights = self.cfg.distribution.get(canary.id)
         if weights and d.temperature > 0:
-            rng = random.Random(f"{canary.id}:{d.seed}" if d.seed is not None else f"{canary.id}:#{draw}")
+            rng = random.Random(
+                f"{canary.id}:{d.seed}" if d.seed is not None else f"{self.seed}:{canary.id}:#{draw}"
+            )
             return rng.choices(list(weights), weights=list(weights.values()))[0]
         if canary.id in self.cfg.answers:
             return self.cfg.answers[canary.id]
@@ -355,14 +394,39 @@ class Prober:
 
     @staticmethod
     def _token(
-        cid: str, i: int, ch: str, k: int, shift: float, noise: float, rng: random.Random
+        cid: str,
+        i: int,
+        ch: str,
+        k: int,
+        shift: float,
+        noise: float,
+        rng: random.Random,
+        moved: Callable[[int, str], float] | None = None,
+        tie: tuple[str, str, float] | None = None,
     ) -> TokenLogprob:
-        def lp(base: float) -> float:
-            return min(0.0, base + shift + (rng.gauss(0.0, noise) if noise else 0.0))
+        """``ch`` at position i with its top-k: alternatives 1 nat apart, or at a near tie (leader, runner-up,
+        gap) the runner-up ``gap`` below the leader (``ch`` is the one of them that won)."""
 
-        base = -0.05 - 2.0 * _unit(cid, i, ch)
-        alternatives = [chr(0x61 + int(26 * _unit(cid, i, ch, j))) for j in range(k)]
-        top = [(ch, lp(base))] + [
-            (a, lp(base - 1.0 - j)) for j, a in enumerate(alternatives[: max(0, k - 1)])
+        def lp(token: str, base: float) -> float:
+            off = moved(i, token) if moved else 0.0
+            return min(0.0, base + shift + off + (rng.gauss(0.0, noise) if noise else 0.0))
+
+        leader = tie[0] if tie else ch
+        base = -0.05 - 2.0 * unit(cid, i, leader)
+        alternatives = [chr(0x61 + int(26 * unit(cid, i, leader, j))) for j in range(k)]
+        entries = [(leader, base)] + [
+            (a, base - 1.0 - j) for j, a in enumerate(alternatives[: max(0, k - 1)])
         ]
+        if tie:
+            entries[1:2] = [(tie[1], base - tie[2])]
+            if ch == tie[1]:
+                entries[:2] = entries[1::-1]
+        top = [(t, lp(t, b)) for t, b in entries]
         return TokenLogprob(ch, top[0][1], ord(ch), tuple(ch.encode()), tuple(top[:k]))
+
+
+def _moved(cid: str, model: Realistic | None, route: Route | None) -> Callable[[int, str], float] | None:
+    """Position, token → the realistic model's offset on this request's route (None: no model)."""
+    if model is None or route is None:
+        return None
+    return lambda i, token: model.offset(cid, i, token, route)

@@ -8,8 +8,11 @@ import random
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from bench.detection_lab import Served, check_key, composed
+import pytest
+
+from bench.detection_lab import SHIM_MODES, Served, Shim, check_key, composed
 from bench.detection_methods import Reference, canaryd_reference, deployment, judged, shim_outcomes
+from canaryd.backends.noise import CAP, NoiseModel, Realistic
 from canaryd.canaries import Canary, Decoding
 from canaryd.judge.compare import Verdict
 from canaryd.judge.reference import Divergence
@@ -108,10 +111,11 @@ class ShimSettings:
     deployments: int = 2
 
 
-def test_the_shim_moves_every_canaryd_mode_and_lt_alike():
+@pytest.mark.parametrize("level", [0.003, "gpu-bf16"])
+def test_the_shim_moves_every_canaryd_mode_and_lt_alike(level):
     """canaryd's three modes and LT get shimmed rows; an honest server gives no canaryd mode more than a
     few alarms under the noise (the reference check: within the provider's noise floor), a shift far
-    beyond it is caught in every test."""
+    beyond it is caught in every test: Gaussian modes, or the realistic model's bf16 paths."""
     ids, forced_ids = [f"c{i}" for i in range(6)], [f"f{i}" for i in range(6)]
     canaries = [CANARY.model_copy(update={"id": i}) for i in ids]
     forced = [CANARY.model_copy(update={"id": i, "continuation": "5"}) for i in forced_ids]
@@ -143,10 +147,25 @@ def test_the_shim_moves_every_canaryd_mode_and_lt_alike():
             key = check_key(obs("f32", lp, canary=cid, n=4))
             ref.checks[key], ref.scored[key] = same, tuple(obs("f32", -0.5, canary=cid, n=4).tokens)
     servers = {"N0": [server("N0", -0.5)], "G": [server("G", -1.5)]}
-    out = shim_outcomes(0.003, ref, servers, ShimSettings(), 0.01, 0)
+    out = shim_outcomes(level, ref, servers, ShimSettings(), 0.01, 0)
     # the provider's shimmed logprobs lie off the reference's, within the floor its calibration shows
     for name in ("canaryd", "canaryd teacher-forced", "canaryd reference"):
         assert sum(len(x) for x in out[(name, "N0")].values()) == 2 * 40
         assert sum(o.reject for x in out[(name, "N0")].values() for o in x) <= 4  # α = 0.01 per test
         assert all(o.reject for o in out[(name, "G")][1])
     assert set(out[("LT (top-20, 1 token)", "G")]) == {1, 2}
+
+
+def test_the_realistic_shim_moves_logprobs_by_its_paths_and_never_a_token():
+    """With a preset the shim takes the realistic model's paths: a probe on one path is moved the same way
+    every time (cache hits aside), by at most CAP nats; a bf16 path moves some tokens by more than 0.1."""
+    shim = Shim("gpu-bf16", random.Random(0))
+    shim.model = Realistic(NoiseModel(preset="gpu-bf16", paths=SHIM_MODES, cache_hits=0.0))  # no hits
+    base = obs("f32", -1.0, text="5", n=200)
+    one_path = [1.0] + [0.0] * (SHIM_MODES - 1)
+    a, b = shim(base, one_path), shim(base, one_path)
+    assert a.tokens == b.tokens and a.text == base.text  # bit-exact on one path; the text is the server's
+    assert [t.token for t in a.tokens] == [t.token for t in base.tokens]
+    other = shim(base, [0.0, 1.0] + [0.0] * (SHIM_MODES - 2))
+    d = [abs(x.logprob - y.logprob) for x, y in zip(a.tokens, other.tokens, strict=True)]
+    assert 0 < sum(x > 0.1 for x in d) < 40 and max(d) <= 2 * CAP

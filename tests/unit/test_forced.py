@@ -90,7 +90,7 @@ def test_a_forced_canary_scores_the_same_tokens_even_when_the_model_would_answer
 def test_forced_canaries_are_calibrated_like_plain_ones_and_noise_is_within_noise(make):
     from canaryd.probe.calibrate import calibrate
 
-    lab = make(scripted(answers=ANSWERS, noise=0.01))
+    lab = make(scripted(answers=ANSWERS, noise=0.01, seed=0))
     lab.cycle()
     saved = calibrate(lab.backend(), lab.canaries(), lab.store, k=8, batch_sizes=[1, 2])
     assert [(c.canary_id, c.problem, c.errors) for c in saved] == [

@@ -237,7 +237,8 @@ def test_same_draws_with_moved_logprobs_are_logprob_drift(make):
 def test_unpinned_seeds_draw_new_sets_that_stay_within_noise(make):
     """Without seeds every cycle draws anew; with a little logprob noise (a non-exact engine) no two sets
     are the same draws, so each cycle is judged by the two tests alone."""
-    lab = coin_lab(make, n=40, seed='"none"', noise=1e-3)
+    suite = COIN.format(n=40, seed='"none"', expect=BOTH)  # the backend's seed pins the draws
+    lab = make(scripted(distribution=FAIR, noise=1e-3, seed=0), {"coin.toml": suite})
     first = lab.cycle()
     assert all("seed" not in r.observation.request for r in first.results)
     sets = [[r.observation.text for r in first.results]]

@@ -164,7 +164,7 @@ def test_reasoning_tokens_900_to_300_are_caught_after_calibration_and_the_spread
     """A provider silently lowering its reasoning effort: the same answers, far fewer hidden tokens."""
     body = change(at=4, reasoning_tokens=300)
     lab = make(
-        scripted(logprobs=False, reasoning_tokens=900, reasoning_jitter=2, concurrency=1, body=body),
+        scripted(logprobs=False, reasoning_tokens=900, reasoning_jitter=2, seed=0, concurrency=1, body=body),
         {"six.toml": SIX},
     )
     lab.cycle()  # the baselines
