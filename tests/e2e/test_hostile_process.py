@@ -40,7 +40,9 @@ def test_check_with_a_backtracking_regex_is_an_error_in_seconds(tmp_path):
     p = canaryd(cfg, "check", "--json")
     took = time.monotonic() - t
     assert p.returncode == 3, p.stderr
-    assert took < 5 + 3, took  # the bound is 1 s; the rest is the interpreter starting under CI load
+    # The check's bound is 1 s; uncut, 2^40 backtracking steps take hours. The rest is two interpreters
+    # starting on a loaded 2-core machine (9 s was seen with the e2e suite beside other work).
+    assert took < 30, took
     (result,) = json.loads(p.stdout)["results"]
     assert result["verdict"] == "error" and result["error_kind"] == "check_timeout"
     assert "'slow'" in result["error"] and SLOW in result["error"]
