@@ -310,7 +310,23 @@ def fit(observations: Sequence[Observation]) -> NoiseModel:
         raise CalibrationError(f"need at least 2 successful probes to calibrate, got {len(ok)}")
     if len({o.request_hash for o in ok}) != 1:
         raise CalibrationError("calibration probes must all be of the same request")
-    refs = tuple(point(o) for o in ok)
+    signals: dict[str, tuple[float, ...]] = {}
+    reasoning = [o.reasoning_tokens for o in ok]
+    if all(r is not None for r in reasoning):
+        signals["reasoning_tokens"] = tuple(float(r) for r in reasoning)  # type: ignore[arg-type]
+    if all(o.latency_s > 0 for o in ok):
+        signals["latency_s"] = tuple(o.latency_s for o in ok)
+    return fit_points(ok[0].request_hash, tuple(point(o) for o in ok), signals)
+
+
+def fit_points(
+    request_hash: str, refs: tuple[Point, ...], signals: Mapping[str, tuple[float, ...]]
+) -> NoiseModel:
+    """The model of K ≥ 2 honest probes already turned into points (`fit`, and a learning window that
+    keeps points across passes: ``canaryd.judge.learning``); ``signals``: each calibrated signal's K
+    values, in the points' order."""
+    if len(refs) < 2:
+        raise CalibrationError(f"need at least 2 successful probes to calibrate, got {len(refs)}")
     values: dict[Key, list[float]] = {}
     for r in refs:
         for k, v in r.coords.items():
@@ -321,13 +337,7 @@ def fit(observations: Sequence[Observation]) -> NoiseModel:
     loo = tuple(
         min(distance(r, o, spread, default) for j, o in enumerate(refs) if j != i) for i, r in enumerate(refs)
     )
-    signals: dict[str, tuple[float, ...]] = {}
-    reasoning = [o.reasoning_tokens for o in ok]
-    if all(r is not None for r in reasoning):
-        signals["reasoning_tokens"] = tuple(float(r) for r in reasoning)  # type: ignore[arg-type]
-    if all(o.latency_s > 0 for o in ok):
-        signals["latency_s"] = tuple(o.latency_s for o in ok)
-    return NoiseModel(ok[0].request_hash, refs, spread, default, loo, signals)
+    return NoiseModel(request_hash, refs, spread, default, loo, dict(signals))
 
 
 def score(model: NoiseModel, obs: Observation) -> Evidence:

@@ -127,13 +127,13 @@ def _fit_one(
     if base is not None and tokens_problem(base.observation.tokens) is not None:
         base = None  # unusable logprobs, stored by an older version: the next pass replaces it
     if base is not None and base.observation.request_hash == model.request_hash:
-        problem = _outside(model, base.observation)
+        problem = outside(model, base.observation)
     if problem is None:
         store.save_calibration(backend, cid, model, configuration)
     return Calibrated(backend, cid, model, errors, problem, configuration)
 
 
-def _outside(model: NoiseModel, base: Observation) -> str | None:
+def outside(model: NoiseModel, base: Observation) -> str | None:
     """Why the baseline lies outside the noise just measured (None: it does not): its answer (when both
     rest on the same basis) or its reasoning tokens. Latency is left out: the baseline's was measured
     another day, under another load."""

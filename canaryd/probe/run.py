@@ -30,7 +30,7 @@ from canaryd.errors import InputError
 from canaryd.judge.compare import Comparison, Decision, Verdict, decide
 from canaryd.judge.stats import CalibrationError, DetectorState, NoiseModel, noise_floor
 from canaryd.observation import ErrorKind, Observation, storable, utcnow
-from canaryd.probe import reference, vet
+from canaryd.probe import learn, reference, vet
 from canaryd.probe.shapes import Judged, shape_of
 from canaryd.stack import configuration_of, merge_stacks, stack_hash
 from canaryd.store import Reads, Store, open_store
@@ -58,6 +58,7 @@ class BackendRun:
     unavailable: BackendUnavailable | None = None
     detector: DetectorState | None = None  # the backend's e-CUSUM after this run (as stored)
     reference: reference.Cycle | None = None  # the reference checks of this run, if the backend has one
+    learning: tuple[str, ...] = ()  # canary (and step) ids still learning their noise model after it
 
     @property
     def stack_hash(self) -> str:
@@ -109,6 +110,11 @@ def probe_backend(
         for obs in observations:
             if obs.ok:
                 obs.stack = {**stack, **obs.stack}
+    try:  # a canary without a noise model: is its backend exact? (`canaryd.probe.learn`)
+        contacted = learn.first_contact(backend, canaries, sent, stack, store, config.compare, bound)
+    except Exception:  # learning failed: the canaries are judged as they stand, and the pass goes on
+        bound.exception("learning_failed")
+        contacted = set()
     try:  # baselines and calibrations, re-read only when they changed
         reads: Reads = store.judging(backend.name)
     except Exception:  # each canary reads its own, and a failure costs only that canary
@@ -152,18 +158,20 @@ def probe_backend(
         )
     # a chain names its first diverged step once the cycle's decision has settled each step's verdict
     settled = iter(decision.comparisons)
-    final = []
+    per: list[list[Judged]] = []
     for canary, per_canary in zip(canaries, judged, strict=True):
         steps = [replace(j, comparison=next(settled)) for j in per_canary]
         try:
-            final.extend(shape_of(canary).settle(canary, steps))
+            steps = shape_of(canary).settle(canary, steps)
         except Exception:  # the steps keep the verdicts the cycle's decision gave them
             bound.exception("settle_failed", canary=canary.id)
-            final.extend(steps)
-    final = [
-        replace(j, comparison=reference.apply(referenced, j.observation.canary_id, j.comparison))
-        for j in final
-    ]
+        per.append(
+            [
+                replace(j, comparison=reference.apply(referenced, j.observation.canary_id, j.comparison))
+                for j in steps
+            ]
+        )
+    final = [j for steps in per for j in steps]
     # one transaction for the pass; an observation the database refuses costs only itself
     items = [(j.observation, j.comparison, j.baseline_id) for j in final]
     written = store.record(run_id, items, len(canaries))
@@ -184,13 +192,21 @@ def probe_backend(
         )
         results.append(Result(obs_id, run_id, obs, comparison))
     _report_recording(bound, (store.url, backend.name), [r.comparison for r in results])
+    try:  # the learning canaries' windows grow by this pass
+        learn.grow(backend, canaries, per, stack, store, config.compare, contacted, bound)
+        learning = learn.still_learning(store, backend.name, final)
+    except Exception:
+        bound.exception("learning_failed")
+        learning = ()
     # The run's stack: the snapshot plus every response-level value seen (a fleet may show several).
     # A run where no probe answered has none: a server going down mid-pass answers the snapshot but not
     # the canaries, and that half-stack (no response.* fields) would count as a change, its return as another.
     answered = [r.observation.stack for r in results if r.observation.ok]
     run_stack = merge_stacks([stack, *answered]) if failure is None and answered else {}
     state = decision.state
-    return BackendRun(backend.name, backend.kind, run_id, results, run_stack, failure, state, referenced)
+    return BackendRun(
+        backend.name, backend.kind, run_id, results, run_stack, failure, state, referenced, learning
+    )
 
 
 _RECORDING_REPORTED: set[tuple[str, ...]] = set()
