@@ -15,25 +15,27 @@ how far this backend's honest answers move. What is not noise is reported as bef
 prompt token count (``stack-change``), a wrong answer where the baseline was right (``regression``), a
 configuration's first answer (``new-configuration``).
 
-A window must not launder a change. The model is saved only when the baseline lies within it (the check
-``baseline calibrate`` makes) and the window's first half and second half (in time) are the same noise
-(`window_shift_p`, a permutation test of the distances between them at ``SHIFT_ALPHA``): a change during
-the window splits it in time, where honest noise does not. A window that fails either is discarded and
-learning restarts once; a second failure is *refused*: the canary is then judged as without learning
-(tolerance 0, drift), with the reason, until ``baseline accept`` or ``baseline calibrate``.
+A window must not launder a change. A full window whose newest probes (the pass that filled it) lie
+outside the noise of the probes before them waits a pass (`newest_within`). The model is then saved only
+when the baseline lies within it (the check ``baseline calibrate`` makes) and the window holds no change
+point in time (`window_shift_p`, a permutation scan at ``SHIFT_ALPHA``): a change during the window splits
+it in time, where honest noise does not. A window that fails either is discarded and learning restarts
+once; a second failure is *refused*: the canary is then judged as without learning (tolerance 0, drift),
+with the reason, until ``baseline accept`` or ``baseline calibrate``.
 """
 
 from __future__ import annotations
 
-import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from canaryd.judge.compare import Comparison, Evidence, Verdict
-from canaryd.judge.stats import NoiseModel, Point, distance, fit_points, point
+from canaryd.judge.stats import NoiseModel, Point, distance, fit_points, point, score_point
 from canaryd.observation import Observation
 
-SHIFT_ALPHA = 0.01  # a window's halves differing more than this by chance is a change, not noise
+SHIFT_ALPHA = 0.01  # a change point in the window more likely than this by chance: not a change
 PERMUTATIONS = 999
 MIN_FIT = 3  # the fewest probes a window past ``learn_max_passes`` is fit from
 
@@ -182,34 +184,42 @@ def hold(c: Comparison, state: Learning | None) -> Comparison:
 
 
 def window_shift_p(model: NoiseModel, seed: int = 0) -> float:
-    """The permutation p-value that the window's first and second half (its probes in sending order) are
-    the same noise: the statistic is the mean distance between the halves less the mean within them (an
-    energy statistic over the model's standardised distances), against ``PERMUTATIONS`` relabellings.
-    1.0 below 6 probes (too few to tell)."""
+    """The permutation p-value that the window (its probes in sending order) holds no change point: the
+    statistic is the largest energy distance between the probes before and after any split (each side at
+    least 2), over the model's standardised distances, weighted by ``t·(n − t)/n`` (the e-divisive scan);
+    its null, the same over ``PERMUTATIONS`` shuffles of the order. Honest noise is exchangeable in time,
+    a change is not: it splits the window. 1.0 below 6 probes (too few to tell)."""
     refs = model.refs
     n = len(refs)
     if n < 6:
         return 1.0
-    d = [[distance(a, b, model.spread, model.default_spread) for b in refs] for a in refs]
+    d = np.array([[distance(a, b, model.spread, model.default_spread) for b in refs] for a in refs])
+    t = np.arange(2, n - 1)  # probes before the split
+    u = n - t
 
-    def energy(first: Sequence[int]) -> float:
-        a = set(first)
-        within = cross = 0.0
-        nw = nc = 0
-        for i in range(n):
-            for j in range(i + 1, n):
-                if (i in a) == (j in a):
-                    within, nw = within + d[i][j], nw + 1
-                else:
-                    cross, nc = cross + d[i][j], nc + 1
-        return cross / nc - within / nw
+    def scan(m: np.ndarray) -> float:
+        c = m.cumsum(0).cumsum(1)
+        within_a = c[t - 1, t - 1]  # ordered pairs: each pair twice, as in the means below
+        rows_a = c[t - 1, n - 1]
+        cross = rows_a - within_a
+        within_b = c[n - 1, n - 1] - 2 * rows_a + within_a
+        energy = 2 * cross / (t * u) - within_a / (t * (t - 1)) - within_b / (u * (u - 1))
+        return float((energy * t * u / n).max())
 
-    half = n // 2
-    seen = energy(range(half))
-    rng = random.Random(seed)
-    order = list(range(n))
+    seen = scan(d)
+    rng = np.random.default_rng(seed)
     beyond = 0
     for _ in range(PERMUTATIONS):
-        rng.shuffle(order)
-        beyond += energy(order[:half]) >= seen
+        order = rng.permutation(n)
+        beyond += scan(d[np.ix_(order, order)]) >= seen
     return (1 + beyond) / (1 + PERMUTATIONS)
+
+
+def newest_within(state: Learning, newest: int) -> bool:
+    """Whether the window's ``newest`` probes (the pass that filled it) lie within the noise of the probes
+    before them: a change in that very pass is too recent for `window_shift_p` to see, so a window whose
+    newest probes are out waits a pass (they then show as a split in time)."""
+    if newest <= 0 or state.k - newest < MIN_FIT:
+        return True
+    earlier = fit_points(state.request_hash, state.points[:-newest], {})
+    return not any(score_point(earlier, x).out for x in state.points[-newest:])

@@ -106,8 +106,9 @@ class Point:
         return cls(tuple(ids), {(int(p), str(t)): float(v) for p, t, v in coords})
 
 
-def point(obs: Observation) -> Point:
-    """The observation's point. Token ids identify tokens when the server sent them, else token text."""
+def point(obs: Observation, text: bool = False) -> Point:
+    """The observation's point. Token ids identify tokens when the server sent them, else token text;
+    ``text``: its text alone (as a model learned without logprobs sees every answer)."""
     ids: list[str] = []
     coords: dict[Key, float] = {}
     for i, t in enumerate(obs.tokens):
@@ -115,7 +116,7 @@ def point(obs: Observation) -> Point:
         for tok, lp in t.top:
             coords[(i, tok)] = lp
         coords[(i, t.token)] = t.logprob
-    if not obs.has_logprobs or (not obs.tokens and obs.text is not None):  # identity is the text
+    if text or not obs.has_logprobs or (not obs.tokens and obs.text is not None):  # identity is the text
         ids, coords = [obs.text or ""], {}
     return Point(tuple(ids), coords)
 
@@ -342,7 +343,11 @@ def fit_points(
 
 def score(model: NoiseModel, obs: Observation) -> Evidence:
     """How far ``obs`` lies from every honest probe, against the calibrated leave-one-out distances."""
-    x = point(obs)
+    return score_point(model, point(obs, text=model.basis == "text"))
+
+
+def score_point(model: NoiseModel, x: Point) -> Evidence:
+    """`score` of a probe already turned into its point."""
     dists = [distance(x, r, model.spread, model.default_spread) for r in model.refs]
     nearest = min(range(model.k), key=dists.__getitem__)
     d = dists[nearest]

@@ -21,7 +21,15 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from canaryd.judge.learning import MIN_FIT, SHIFT_ALPHA, Learning, exact, is_learning, window_shift_p
+from canaryd.judge.learning import (
+    MIN_FIT,
+    SHIFT_ALPHA,
+    Learning,
+    exact,
+    is_learning,
+    newest_within,
+    window_shift_p,
+)
 from canaryd.judge.stats import CalibrationError, NoiseModel, fit
 from canaryd.observation import Observation, tokens_problem
 from canaryd.probe.calibrate import outside
@@ -171,17 +179,22 @@ def grow(
             )
         for cid, (state, own) in states.items():
             state = replace(state, passes=state.passes + 1)
-            if quiet:
-                state = state.add([own, *_usable(probes.get(cid, []), own, stack)])
-            outcome = _settle(store, backend.name, own, state, settings)
+            added = [own, *_usable(probes.get(cid, []), own, stack)] if quiet else []
+            outcome = _settle(store, backend.name, own, state.add(added), len(added), settings)
             bound.info("learning", canary=cid, probes=state.k, target=state.target, outcome=outcome)
 
 
-def _settle(store: Store, backend: str, own: Observation, state: Learning, settings: CompareConfig) -> str:
-    """Fit the window when it is full (or past ``learn_max_passes``), save the model unless it would launder
-    a change; else keep the window. Returns what happened."""
+def _settle(
+    store: Store, backend: str, own: Observation, state: Learning, added: int, settings: CompareConfig
+) -> str:
+    """Fit the window when it is full (or past ``learn_max_passes``) unless its ``added`` newest probes
+    are out of the noise before them (it waits a pass), save the model unless it would launder a change;
+    else keep the window. Returns what happened."""
     configuration = configuration_of(own.stack)
-    due = state.k >= state.target or (state.passes >= settings.learn_max_passes and state.k >= MIN_FIT)
+    late = state.passes >= settings.learn_max_passes
+    due = state.k >= state.target or (late and state.k >= MIN_FIT)
+    if due and not late and not newest_within(state, added):
+        due = False
     if due:
         model = state.model()
         problem = _outside_baseline(store, backend, own.canary_id, configuration, model)

@@ -28,6 +28,7 @@ from canaryd.canaries import Canary, Suite, load_suites
 from canaryd.config import Config
 from canaryd.errors import InputError
 from canaryd.judge.compare import Comparison, Decision, Verdict, decide
+from canaryd.judge.learning import Learning, is_learning
 from canaryd.judge.stats import CalibrationError, DetectorState, NoiseModel, noise_floor
 from canaryd.observation import ErrorKind, Observation, storable, utcnow
 from canaryd.probe import learn, reference, vet
@@ -251,7 +252,8 @@ def _noise_floors(
     """Each answered canary's calibrated noise floor on this backend (`stats.noise_floor`): under the
     configuration that answered, else under the latest one calibrated (a provider's noise is more its
     hardware's than one configuration's, and a fleet rotating new ones would otherwise meet a floor of 0);
-    a canary without a usable calibration has none."""
+    a learning canary's is its window's so far (`canaryd.judge.learning`: first contact comes before the
+    checks); a canary without a usable calibration or window has none."""
     floors = {}
     for canary, observations in zip(canaries, sent, strict=True):
         if not observations or not observations[0].ok:
@@ -260,8 +262,9 @@ def _noise_floors(
         doc = reads.calibration(name, canary.id, configuration) or reads.calibration(name, canary.id)
         if not doc:
             continue
-        try:
-            floors[canary.id] = noise_floor(NoiseModel.from_dict(doc))
+        try:  # a canary still learning has the floor of its window so far
+            model = Learning.from_dict(doc).model() if is_learning(doc) else NoiseModel.from_dict(doc)
+            floors[canary.id] = noise_floor(model)
         except (CalibrationError, KeyError, TypeError, ValueError):  # the judge reports a refused model
             continue
     return floors
