@@ -499,7 +499,8 @@ def evidence_row(ids: Ids) -> list:
             "Drift evidence (e-CUSUM)",
             "The sequential evidence that a backend changed, over its calibrated canaries "
             f"({N.e_cusum}): about 1 or below while honest; the alarm is raised when it "
-            "reaches [compare] arl. Only over calibrated canaries (learned, or `canaryd baseline calibrate`).",
+            "reaches [compare] arl. Only over calibrated canaries (learned, or by `canaryd baseline "
+            "calibrate`).",
             "short",
             8,
             8,

@@ -31,8 +31,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from canaryd.judge.compare import Comparison, Evidence, Verdict
-from canaryd.judge.stats import NoiseModel, Point, distance, fit_points, point, score_point
+from canaryd.judge.compare import Comparison, Evidence, Verdict, basis_of
+from canaryd.judge.signals import score_signals
+from canaryd.judge.stats import NoiseModel, Point, distance, fit_points, point, score, score_point
 from canaryd.observation import Observation
 
 SHIFT_ALPHA = 0.01  # a change point in the window more likely than this by chance: not a change
@@ -181,6 +182,28 @@ def hold(c: Comparison, state: Learning | None) -> Comparison:
     verdict = Verdict.STACK_CHANGE if moved else Verdict.LEARNING
     evidence = state.evidence() if state is not None and verdict is Verdict.LEARNING else None
     return replace(c, verdict=verdict, reasons=(why, *c.reasons), evidence=evidence)
+
+
+def outside(model: NoiseModel, base: Observation) -> str | None:
+    """Why the baseline lies outside the noise just measured (None: it does not): its answer (when both
+    rest on the same basis) or its reasoning tokens; the check ``baseline calibrate`` and a learning window
+    make before a model is saved. Latency is left out: the baseline's was measured
+    another day, under another load."""
+    if model.basis == basis_of(base) and (ev := score(model, base)).out:
+        why = (
+            f"D {ev.statistic:.3g} > {ev.threshold:.3g}, max |Δ logprob| {ev.detail['max_abs_dlogprob']:.3g}"
+            if model.basis == "logprobs"
+            else f"its text is none of the {model.k} answers"
+        )
+    elif (evs := score_signals(model.signals, base, ["reasoning_tokens"])) and evs[0].out:
+        low, high = evs[0].detail["calibrated_range"]
+        why = f"its reasoning tokens {evs[0].detail['value']:g}, calibrated {low:g}..{high:g}"
+    else:
+        return None
+    return (
+        f"the baseline lies outside the noise just measured ({why}): the stack moved since the baseline; "
+        "`baseline accept` it first, or investigate"
+    )
 
 
 def window_shift_p(model: NoiseModel, seed: int = 0) -> float:

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from canaryd import progress
 from canaryd.judge.learning import (
     MIN_FIT,
     SHIFT_ALPHA,
@@ -28,11 +29,11 @@ from canaryd.judge.learning import (
     exact,
     is_learning,
     newest_within,
+    outside,
     window_shift_p,
 )
 from canaryd.judge.stats import CalibrationError, NoiseModel, fit
 from canaryd.observation import Observation, tokens_problem
-from canaryd.probe.calibrate import outside
 from canaryd.probe.shapes import Judged, shape_of
 from canaryd.stack import configuration_of
 
@@ -103,9 +104,10 @@ def first_contact(
         if not due:
             continue
         sizes = _sizes(backend, settings, alone=True)
-        probes = shape.calibration_probes(
-            backend, canary, canaries, k=settings.learn_first, batch_sizes=sizes
-        )
+        with progress.quiet():  # not the pass's canaries: its progress line counts those
+            probes = shape.calibration_probes(
+                backend, canary, canaries, k=settings.learn_first, batch_sizes=sizes
+            )
         for own in due:
             regime = _first(
                 store, backend.name, own, _usable(probes.get(own.canary_id, []), own, stack), settings
@@ -174,9 +176,10 @@ def grow(
         probes = {}
         if quiet and settings.learn_per_pass:
             sizes = _sizes(backend, settings, alone=False)
-            probes = shape.calibration_probes(
-                backend, canary, canaries, k=settings.learn_per_pass, batch_sizes=sizes
-            )
+            with progress.quiet():
+                probes = shape.calibration_probes(
+                    backend, canary, canaries, k=settings.learn_per_pass, batch_sizes=sizes
+                )
         for cid, (state, own) in states.items():
             state = replace(state, passes=state.passes + 1)
             added = [own, *_usable(probes.get(cid, []), own, stack)] if quiet else []

@@ -173,6 +173,12 @@ def probe_backend(
             ]
         )
     final = [j for steps in per for j in steps]
+    try:  # the learning canaries' windows grow by this pass (before it is stored: its end is the series')
+        learn.grow(backend, canaries, per, stack, store, config.compare, contacted, bound)
+        learning = learn.still_learning(store, backend.name, final)
+    except Exception:
+        bound.exception("learning_failed")
+        learning = ()
     # one transaction for the pass; an observation the database refuses costs only itself
     items = [(j.observation, j.comparison, j.baseline_id) for j in final]
     written = store.record(run_id, items, len(canaries))
@@ -193,12 +199,6 @@ def probe_backend(
         )
         results.append(Result(obs_id, run_id, obs, comparison))
     _report_recording(bound, (store.url, backend.name), [r.comparison for r in results])
-    try:  # the learning canaries' windows grow by this pass
-        learn.grow(backend, canaries, per, stack, store, config.compare, contacted, bound)
-        learning = learn.still_learning(store, backend.name, final)
-    except Exception:
-        bound.exception("learning_failed")
-        learning = ()
     # The run's stack: the snapshot plus every response-level value seen (a fleet may show several).
     # A run where no probe answered has none: a server going down mid-pass answers the snapshot but not
     # the canaries, and that half-stack (no response.* fields) would count as a change, its return as another.
