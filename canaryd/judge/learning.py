@@ -16,16 +16,18 @@ prompt token count (``stack-change``), a wrong answer where the baseline was rig
 configuration's first answer (``new-configuration``).
 
 A window must not launder a change. A full window whose newest probes (the pass that filled it) lie
-outside the noise of the probes before them waits a pass (`newest_within`). The model is then saved only
-when the baseline lies within it (the check ``baseline calibrate`` makes) and the window holds no change
-point in time (`window_shift_p`, a permutation scan at ``SHIFT_ALPHA``): a change during the window splits
-it in time, where honest noise does not. A window that fails either is discarded and learning restarts
-once; a second failure is *refused*: the canary is then judged as without learning (tolerance 0, drift),
-with the reason, until ``baseline accept`` or ``baseline calibrate``.
+outside the noise of the probes before them is *suspect* from there (`newest_within`), and waits until the
+probes since then are enough for the scan below to tell them from the rest (`resolvable`). The model is
+then saved only when the baseline lies within it (the check ``baseline calibrate`` makes) and the window
+holds no change point in time (`window_shift_p`, a permutation scan at ``SHIFT_ALPHA``): a change during
+the window splits it in time, where honest noise does not. A window that fails either is discarded and
+learning restarts once; a second failure is *refused*: the canary is then judged as without learning
+(tolerance 0, drift), with the reason, until ``baseline accept`` or ``baseline calibrate``.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -36,7 +38,7 @@ from canaryd.judge.signals import score_signals
 from canaryd.judge.stats import NoiseModel, Point, distance, fit_points, point, score, score_point
 from canaryd.observation import Observation
 
-SHIFT_ALPHA = 0.01  # a change point in the window more likely than this by chance: not a change
+SHIFT_ALPHA = 0.002  # a change point in the window more likely than this by chance: not a change
 PERMUTATIONS = 999
 MIN_FIT = 3  # the fewest probes a window past ``learn_max_passes`` is fit from
 
@@ -56,6 +58,7 @@ class Learning:
     restarts: int = 0
     refused: str | None = None
     max_passes: int = 0  # ``learn_max_passes`` when it started (0: none)
+    suspect: int | None = None  # where probes out of the noise before them began (`newest_within`)
 
     @property
     def k(self) -> int:
@@ -124,6 +127,7 @@ class Learning:
                 "restarts": self.restarts,
                 "refused": self.refused,
                 "max_passes": self.max_passes,
+                "suspect": self.suspect,
             }
         }
 
@@ -152,6 +156,7 @@ class Learning:
             int(w["restarts"]),
             None if refused is None else str(refused),
             int(w.get("max_passes", 0)),
+            None if w.get("suspect") is None else int(w["suspect"]),
         )
 
 
@@ -236,6 +241,14 @@ def window_shift_p(model: NoiseModel, seed: int = 0) -> float:
         order = rng.permutation(n)
         beyond += scan(d[np.ix_(order, order)]) >= seen
     return (1 + beyond) / (1 + PERMUTATIONS)
+
+
+def resolvable(state: Learning) -> bool:
+    """Whether `window_shift_p` can tell the probes since ``state.suspect`` from those before them: a split
+    of m of n probes is one of C(n, m) orders, so its p-value cannot fall below about 1/C(n, m)."""
+    if state.suspect is None:
+        return True
+    return math.comb(state.k, state.k - state.suspect) * SHIFT_ALPHA >= 2
 
 
 def newest_within(state: Learning, newest: int) -> bool:

@@ -30,6 +30,7 @@ from canaryd.judge.learning import (
     is_learning,
     newest_within,
     outside,
+    resolvable,
     window_shift_p,
 )
 from canaryd.judge.stats import CalibrationError, NoiseModel, fit
@@ -123,7 +124,9 @@ def _first(
     configuration = configuration_of(own.stack)
     if not usable:
         return "no probe answered"
-    state = Learning.start(own.request_hash, usable, settings.learn_k, settings.learn_max_passes)
+    # the pass's own answer opens the window: at a canary's first pass it is the baseline, so the window
+    # holds it, and a change after it is a split in time (`window_shift_p`)
+    state = Learning.start(own.request_hash, [own, *usable], settings.learn_k, settings.learn_max_passes)
     if exact([own, *usable]):
         model = fit([own, *usable])
         problem = _outside_baseline(store, backend, own.canary_id, configuration, model)
@@ -183,20 +186,23 @@ def grow(
         for cid, (state, own) in states.items():
             state = replace(state, passes=state.passes + 1)
             added = [own, *_usable(probes.get(cid, []), own, stack)] if quiet else []
-            outcome = _settle(store, backend.name, own, state.add(added), len(added), settings)
-            bound.info("learning", canary=cid, probes=state.k, target=state.target, outcome=outcome)
+            state = state.add(added)
+            outcome, why = _settle(store, backend.name, own, state, len(added), settings)
+            bound.info("learning", canary=cid, probes=state.k, target=state.target, outcome=outcome, why=why)
 
 
 def _settle(
     store: Store, backend: str, own: Observation, state: Learning, added: int, settings: CompareConfig
-) -> str:
+) -> tuple[str, str | None]:
     """Fit the window when it is full (or past ``learn_max_passes``) unless its ``added`` newest probes
     are out of the noise before them (it waits a pass), save the model unless it would launder a change;
-    else keep the window. Returns what happened."""
+    else keep the window. Returns what happened, and why a window was not saved."""
     configuration = configuration_of(own.stack)
     late = state.passes >= settings.learn_max_passes
     due = state.k >= state.target or (late and state.k >= MIN_FIT)
-    if due and not late and not newest_within(state, added):
+    if due and not late and state.suspect is None and not newest_within(state, added):
+        state = replace(state, suspect=state.k - added)  # a change in this very pass? wait to tell
+    if due and not late and not resolvable(state):
         due = False
     if due:
         model = state.model()
@@ -208,7 +214,7 @@ def _settle(
             )
         if problem is None:
             store.save_calibration(backend, own.canary_id, model, configuration, restart_detector=False)
-            return "fitted"
+            return "fitted", None
         if state.restarts == 0:
             state = Learning(
                 state.request_hash, (), (), state.target, restarts=1, max_passes=state.max_passes
@@ -217,8 +223,8 @@ def _settle(
             state = replace(state, refused=problem)
     store.save_learning(backend, own.canary_id, configuration, own.request_hash, state.k, state.as_dict())
     if not due:
-        return "learning"
-    return "refused" if state.refused else "restarted"
+        return "learning", None
+    return ("refused" if state.refused else "restarted"), problem
 
 
 def still_learning(store: Store, backend: str, judged: Sequence[Judged]) -> tuple[str, ...]:

@@ -17,7 +17,7 @@ from tests.harness.scripted_lab import ScriptedLab, change, free_port, scripted,
 from tests.harness.suites import PLAIN
 
 IDS = ["add", "capital", "colors"]
-LEARNED_BY = 8  # the defaults: 4 probes at first contact, then 3 a pass, until 24
+LEARNED_BY = 8  # the defaults: 5 probes at first contact (its answer too), then 3 a pass, until 24
 DRIFT = {"regression", "reference-mismatch", "answer-drift", "logprob-drift", "stack-change"}
 
 
@@ -33,24 +33,25 @@ def window(lab: ScriptedLab, cid: str) -> Learning:
     return Learning.from_dict(lab.store.calibration("fake", cid))
 
 
-def test_a_noisy_backend_learns_in_eight_passes_without_drift_and_then_catches_a_shift(make):
+def test_a_noisy_backend_learns_within_ten_passes_without_drift_and_then_catches_a_shift(make):
     lab = make(scripted(noise=0.01, body=change(at=13, logprob_shift=-0.3)))
-    seen = []
+    seen, learned = [], None
     for n in range(1, 13):
         run = lab.cycle()
         v = verdicts(run)
         seen.append(v)
         assert not DRIFT & set(v.values()), (n, v)
-        if n < LEARNED_BY:
-            assert set(run.learning) == set(IDS), n
-            assert all(regime(lab, c) == "learning" for c in IDS)
-        if n == LEARNED_BY:
-            assert run.learning == ()  # fitted at the end of pass 8
+        if learned is None and run.learning == ():
+            learned = n
             assert {regime(lab, c) for c in IDS} <= {"continuous", "modal"}
+        elif learned is None:
+            assert set(run.learning) == set(IDS) and all(regime(lab, c) == "learning" for c in IDS), n
+    # the end of pass 8, or 9 when the pass that filled a window lay out of the noise before it
+    assert learned in (LEARNED_BY, LEARNED_BY + 1), learned
     assert set(seen[0].values()) == {"baseline"}
-    assert {x for v in seen[1:LEARNED_BY] for x in v.values()} <= {"learning", "identical"}
-    assert "learning" in {x for v in seen[1:LEARNED_BY] for x in v.values()}
-    assert {x for v in seen[LEARNED_BY:] for x in v.values()} <= {"within-noise", "identical"}
+    assert {x for v in seen[1:learned] for x in v.values()} <= {"learning", "identical"}
+    assert "learning" in {x for v in seen[1:learned] for x in v.values()}
+    assert {x for v in seen[learned:] for x in v.values()} <= {"within-noise", "identical"}
 
     # the learning verdict carries its progress, in the reasons and the evidence
     rows = lab.store.observations(backend="fake", canary_id="add", limit=100)
@@ -126,21 +127,20 @@ def test_check_learns_across_processes_and_exits_0_until_a_shift(tmp_path):
     cycles = tmp_path / "cycles"
     lab = ScriptedLab(tmp_path, scripted(noise=0.01, cycle_file=cycles, seed=1))
     try:
-        for n in range(1, LEARNED_BY + 2):
+        for n in range(1, 11):
             # a new process each pass; a new seed each pass gives fresh noise, as a real engine's is
-            lab.write(
-                scripted(
-                    noise=0.01, cycle_file=cycles, seed=n, body=change(at=LEARNED_BY + 2, logprob_shift=-0.3)
-                )
-            )
+            lab.write(scripted(noise=0.01, cycle_file=cycles, seed=n))
             code, doc = lab.check_json()
             found = {r["verdict"] for r in doc["results"]}
             assert code == 0 and not DRIFT & found, (n, code, found)
             if n == 2:
                 reasons = [r["reasons"] for r in doc["results"] if r["verdict"] == "learning"]
-                assert any("7/24" in x[0] or "4/24" in x[0] for x in reasons), reasons
-        assert {regime(lab, c) for c in IDS} <= {"continuous", "modal"}
-        code, doc = lab.check_json()  # the shift
+                assert any("5/24 probes after 1 pass" in x[0] for x in reasons), reasons
+            if {regime(lab, c) for c in IDS} <= {"continuous", "modal"}:
+                break
+        assert n in (LEARNED_BY, LEARNED_BY + 1), n
+        lab.write(scripted(noise=0.01, cycle_file=cycles, seed=0, body=change(at=n + 1, logprob_shift=-0.3)))
+        code, doc = lab.check_json()  # the shift, on the first pass after learning
         assert code == 1 and {r["verdict"] for r in doc["results"]} == {"logprob-drift"}
     finally:
         lab.close()
@@ -159,7 +159,7 @@ def test_the_daemon_learns_a_noisy_backend_without_a_drift_verdict_or_alarm(tmp_
     d.start()
     try:
         learning_seen = set()
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 90
         while True:
             rows = d.store.observations(backend="fake", limit=1000)
             assert not DRIFT & {o.verdict for o in rows}, [o.verdict for o in rows]
@@ -173,7 +173,7 @@ def test_the_daemon_learns_a_noisy_backend_without_a_drift_verdict_or_alarm(tmp_
             if n is not None:
                 learning_seen.add(n)
             passes = min(sum(o.canary_id == c for o in rows) for c in IDS)
-            if passes >= LEARNED_BY + 2:
+            if 0 in learning_seen and passes >= LEARNED_BY + 2:
                 break
             assert time.monotonic() < deadline, "timed out waiting for the daemon's passes"
             time.sleep(0.1)
@@ -201,3 +201,13 @@ def test_a_learning_provider_is_held_to_its_windows_noise_floor_by_its_reference
     lab = make(scripted(reference="ref", noise=0.01) + scripted("ref"))
     seen = {v for _ in range(LEARNED_BY + 2) for v in verdicts(lab.cycle("fake")).values()}
     assert not DRIFT & seen and "learning" in seen, seen
+
+
+def test_past_learn_max_passes_a_window_is_fitted_from_what_it_has(make):
+    lab = make(scripted(noise=0.01), tail="[compare]\nlearn_k = 100\nlearn_max_passes = 3\n")
+    lab.cycle()
+    assert "5/100 probes after 1 pass" in lab.cycle().results[0].comparison.reasons[0]
+    assert {regime(lab, c) for c in IDS} == {"learning"}
+    run = lab.cycle()  # the third pass: 11 of 100 probes, fitted
+    assert run.learning == () and {regime(lab, c) for c in IDS} <= {"continuous", "modal"}
+    assert {NoiseModel.from_dict(lab.store.calibration("fake", c)).k for c in IDS} == {11}
