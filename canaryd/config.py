@@ -52,6 +52,16 @@ class CompareConfig(Strict):
     calibration_batch_sizes: Annotated[
         tuple[Annotated[int, Field(ge=1, le=256)], ...], Field(min_length=1)
     ] = (1, 8)
+    # Learning by default (docs/detection.md, "Learning by default"): a canary without a noise model is
+    # not judged at tolerance 0 unless first contact showed the backend exact. ``learn_first`` probes at
+    # first contact (half alone, half crowded) decide the regime; a noisy canary is then *learning* and
+    # gathers ``learn_per_pass`` crowded probes per pass, beside its own answer, until ``learn_k`` are in;
+    # after ``learn_max_passes`` passes it is fit from what it has (at least 3 probes), or stays learning.
+    learn: bool = True
+    learn_k: Annotated[int, Field(ge=3, le=1000)] = 24
+    learn_first: Annotated[int, Field(ge=2, le=100)] = 4
+    learn_per_pass: Annotated[int, Field(ge=0, le=100)] = 2
+    learn_max_passes: Annotated[int, Field(ge=2, le=100_000)] = 30
 
 
 class ScheduleConfig(Strict):

@@ -74,9 +74,22 @@ def begin(total: int, target: str = "") -> None:
 
 
 def step(n: int = 1) -> None:
-    """``n`` more units done (thread-safe; no-op unless the CLI shows progress)."""
-    if _current is not None:
+    """``n`` more units done (thread-safe; no-op unless the CLI shows progress, or in a `quiet` block)."""
+    if _current is not None and not getattr(_quiet, "on", False):
         _current.step(n)
+
+
+_quiet = threading.local()
+
+
+@contextmanager
+def quiet() -> Iterator[None]:
+    """Work in this thread that is no unit of the current stage (a pass's learning probes) counts none."""
+    _quiet.on = True
+    try:
+        yield
+    finally:
+        _quiet.on = False
 
 
 @contextmanager

@@ -499,7 +499,8 @@ def evidence_row(ids: Ids) -> list:
             "Drift evidence (e-CUSUM)",
             "The sequential evidence that a backend changed, over its calibrated canaries "
             f"({N.e_cusum}): about 1 or below while honest; the alarm is raised when it "
-            "reaches [compare] arl. Only after `canaryd baseline calibrate`.",
+            "reaches [compare] arl. Only over calibrated canaries (learned, or by `canaryd baseline "
+            "calibrate`).",
             "short",
             8,
             8,
@@ -529,13 +530,24 @@ def evidence_row(ids: Ids) -> list:
         ),
         series_panel(
             ids,
+            "Canaries learning their noise",
+            "Canaries (and chain steps) without a noise model yet, learning one from probes spread over "
+            f"passes ({N.learning}): their moves are the verdict learning, never drift. It falls to 0 "
+            "within [compare] learn_max_passes; one that stays up is in the runbook.",
+            "short",
+            8,
+            6,
+            [query("A", f"max by (backend) ({S.learning})", "{{backend}}")],
+        ),
+        series_panel(
+            ids,
             "Reference divergence (nats)",
             "For a backend with a reference (the weights it claims, re-scored there by teacher forcing): the "
             "largest gap the reference puts between its answer and the reference's own where they part "
             f"({N.reference_divergence}). 0 while it serves the same weights; a 4- or "
             "8-bit build or another checkpoint lifts it (verdict reference-mismatch).",
             "short",
-            24,
+            16,
             6,
             [
                 query(

@@ -223,6 +223,16 @@ METRICS: tuple[MetricDef, ...] = (
         DROP,
     ),
     MetricDef(
+        "learning",
+        "canaryd_backend_learning_canaries",
+        "gauge",
+        "Canaries (and chain steps) still learning their noise model ([compare] learn): their answers "
+        "moving is the verdict learning, never drift, until the model is fit.",
+        B,
+        PASS,
+        DROP,
+    ),
+    MetricDef(
         "reachable",
         "canaryd_backend_reachable",
         "gauge",

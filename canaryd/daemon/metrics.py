@@ -274,6 +274,7 @@ class Metrics:
                 if r.observation.ok and r.comparison.basis == "text"
             }
             self.text_basis.labels(b).set(len(on_text))
+            self.learning.labels(b).set(len(run.learning))
             state = run.detector or DetectorState()
             self.e_cusum.labels(b).set(state.statistic)
             self.alarm.labels(b).set(1 if state.alarm else 0)

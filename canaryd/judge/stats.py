@@ -106,8 +106,9 @@ class Point:
         return cls(tuple(ids), {(int(p), str(t)): float(v) for p, t, v in coords})
 
 
-def point(obs: Observation) -> Point:
-    """The observation's point. Token ids identify tokens when the server sent them, else token text."""
+def point(obs: Observation, text: bool = False) -> Point:
+    """The observation's point. Token ids identify tokens when the server sent them, else token text;
+    ``text``: its text alone (as a model learned without logprobs sees every answer)."""
     ids: list[str] = []
     coords: dict[Key, float] = {}
     for i, t in enumerate(obs.tokens):
@@ -115,7 +116,7 @@ def point(obs: Observation) -> Point:
         for tok, lp in t.top:
             coords[(i, tok)] = lp
         coords[(i, t.token)] = t.logprob
-    if not obs.has_logprobs or (not obs.tokens and obs.text is not None):  # identity is the text
+    if text or not obs.has_logprobs or (not obs.tokens and obs.text is not None):  # identity is the text
         ids, coords = [obs.text or ""], {}
     return Point(tuple(ids), coords)
 
@@ -310,7 +311,23 @@ def fit(observations: Sequence[Observation]) -> NoiseModel:
         raise CalibrationError(f"need at least 2 successful probes to calibrate, got {len(ok)}")
     if len({o.request_hash for o in ok}) != 1:
         raise CalibrationError("calibration probes must all be of the same request")
-    refs = tuple(point(o) for o in ok)
+    signals: dict[str, tuple[float, ...]] = {}
+    reasoning = [o.reasoning_tokens for o in ok]
+    if all(r is not None for r in reasoning):
+        signals["reasoning_tokens"] = tuple(float(r) for r in reasoning)  # type: ignore[arg-type]
+    if all(o.latency_s > 0 for o in ok):
+        signals["latency_s"] = tuple(o.latency_s for o in ok)
+    return fit_points(ok[0].request_hash, tuple(point(o) for o in ok), signals)
+
+
+def fit_points(
+    request_hash: str, refs: tuple[Point, ...], signals: Mapping[str, tuple[float, ...]]
+) -> NoiseModel:
+    """The model of K ≥ 2 honest probes already turned into points (`fit`, and a learning window that
+    keeps points across passes: ``canaryd.judge.learning``); ``signals``: each calibrated signal's K
+    values, in the points' order."""
+    if len(refs) < 2:
+        raise CalibrationError(f"need at least 2 successful probes to calibrate, got {len(refs)}")
     values: dict[Key, list[float]] = {}
     for r in refs:
         for k, v in r.coords.items():
@@ -321,18 +338,16 @@ def fit(observations: Sequence[Observation]) -> NoiseModel:
     loo = tuple(
         min(distance(r, o, spread, default) for j, o in enumerate(refs) if j != i) for i, r in enumerate(refs)
     )
-    signals: dict[str, tuple[float, ...]] = {}
-    reasoning = [o.reasoning_tokens for o in ok]
-    if all(r is not None for r in reasoning):
-        signals["reasoning_tokens"] = tuple(float(r) for r in reasoning)  # type: ignore[arg-type]
-    if all(o.latency_s > 0 for o in ok):
-        signals["latency_s"] = tuple(o.latency_s for o in ok)
-    return NoiseModel(ok[0].request_hash, refs, spread, default, loo, signals)
+    return NoiseModel(request_hash, refs, spread, default, loo, dict(signals))
 
 
 def score(model: NoiseModel, obs: Observation) -> Evidence:
     """How far ``obs`` lies from every honest probe, against the calibrated leave-one-out distances."""
-    x = point(obs)
+    return score_point(model, point(obs, text=model.basis == "text"))
+
+
+def score_point(model: NoiseModel, x: Point) -> Evidence:
+    """`score` of a probe already turned into its point."""
     dists = [distance(x, r, model.spread, model.default_spread) for r in model.refs]
     nearest = min(range(model.k), key=dists.__getitem__)
     d = dists[nearest]

@@ -8,6 +8,7 @@ is its severity ``rank`` (0 = most severe): ``compare()`` gives an observation t
 applies, and the dashboard shows the most severe one when several canaryd instances disagree.
 ``new-configuration`` ranks below the drift verdicts (it is no evidence of change: a fleet grew, or a
 router found another provider) and above the quiet ones: a configuration nobody had seen is worth a look.
+``learning`` ranks below it: a canary still learning its noise (``[compare] learn``) that moved.
 
 Everything else reads this table: ``compare.py`` and ``sampled.py`` (the rules), ``report/tables.py``
 (colours), ``grafana/build_dashboard.py`` (codes, colours, the drift set), the metrics (one series per
@@ -54,9 +55,12 @@ class Verdict(enum.StrEnum):
                      "the first answer from a serving configuration this canary × backend had not shown "
                      "before: it becomes that configuration's baseline (never drift: its reasons say how "
                      "it compares with another configuration)")
+    LEARNING      = ("learning",      False, "bright_cyan", "light-blue",
+                     "this canary × backend has no noise model yet and is learning one from probes spread "
+                     "over passes: its answer or logprobs moved, which is not judged until the model is fit")
     NOISE         = ("within-noise",  False, "green",    "light-green",
                      "something moved, but no more than the calibrated noise of this canary × backend "
-                     "allows (only once `baseline calibrate` has measured it)")
+                     "allows (once learning or `baseline calibrate` has measured it)")
     IDENTICAL     = ("identical",     False, "green",    "green",
                      "nothing measurable moved")
     BASELINE      = ("baseline",      False, "cyan",     "blue",

@@ -29,9 +29,8 @@ from canaryd.backends import Backend
 from canaryd.canaries import Canary
 from canaryd.config import Config
 from canaryd.errors import EXIT_DRIFT, EXIT_OK, EXIT_UNAVAILABLE, InputError
-from canaryd.judge.compare import basis_of
-from canaryd.judge.signals import score_signals
-from canaryd.judge.stats import CalibrationError, NoiseModel, fit, score
+from canaryd.judge.learning import outside
+from canaryd.judge.stats import CalibrationError, NoiseModel, fit
 from canaryd.observation import Observation, tokens_problem
 from canaryd.probe.shapes import shape_of
 from canaryd.stack import configuration_of
@@ -127,31 +126,10 @@ def _fit_one(
     if base is not None and tokens_problem(base.observation.tokens) is not None:
         base = None  # unusable logprobs, stored by an older version: the next pass replaces it
     if base is not None and base.observation.request_hash == model.request_hash:
-        problem = _outside(model, base.observation)
+        problem = outside(model, base.observation)
     if problem is None:
         store.save_calibration(backend, cid, model, configuration)
     return Calibrated(backend, cid, model, errors, problem, configuration)
-
-
-def _outside(model: NoiseModel, base: Observation) -> str | None:
-    """Why the baseline lies outside the noise just measured (None: it does not): its answer (when both
-    rest on the same basis) or its reasoning tokens. Latency is left out: the baseline's was measured
-    another day, under another load."""
-    if model.basis == basis_of(base) and (ev := score(model, base)).out:
-        why = (
-            f"D {ev.statistic:.3g} > {ev.threshold:.3g}, max |Δ logprob| {ev.detail['max_abs_dlogprob']:.3g}"
-            if model.basis == "logprobs"
-            else f"its text is none of the {model.k} answers"
-        )
-    elif (evs := score_signals(model.signals, base, ["reasoning_tokens"])) and evs[0].out:
-        low, high = evs[0].detail["calibrated_range"]
-        why = f"its reasoning tokens {evs[0].detail['value']:g}, calibrated {low:g}..{high:g}"
-    else:
-        return None
-    return (
-        f"the baseline lies outside the noise just measured ({why}): the stack moved since the baseline; "
-        "`baseline accept` it first, or investigate"
-    )
 
 
 @dataclass(frozen=True, slots=True)

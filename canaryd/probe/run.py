@@ -28,9 +28,10 @@ from canaryd.canaries import Canary, Suite, load_suites
 from canaryd.config import Config
 from canaryd.errors import InputError
 from canaryd.judge.compare import Comparison, Decision, Verdict, decide
+from canaryd.judge.learning import Learning, is_learning
 from canaryd.judge.stats import CalibrationError, DetectorState, NoiseModel, noise_floor
 from canaryd.observation import ErrorKind, Observation, storable, utcnow
-from canaryd.probe import reference, vet
+from canaryd.probe import learn, reference, vet
 from canaryd.probe.shapes import Judged, shape_of
 from canaryd.stack import configuration_of, merge_stacks, stack_hash
 from canaryd.store import Reads, Store, open_store
@@ -58,6 +59,7 @@ class BackendRun:
     unavailable: BackendUnavailable | None = None
     detector: DetectorState | None = None  # the backend's e-CUSUM after this run (as stored)
     reference: reference.Cycle | None = None  # the reference checks of this run, if the backend has one
+    learning: tuple[str, ...] = ()  # canary (and step) ids still learning their noise model after it
 
     @property
     def stack_hash(self) -> str:
@@ -109,6 +111,11 @@ def probe_backend(
         for obs in observations:
             if obs.ok:
                 obs.stack = {**stack, **obs.stack}
+    try:  # a canary without a noise model: is its backend exact? (`canaryd.probe.learn`)
+        contacted = learn.first_contact(backend, canaries, sent, stack, store, config.compare, bound)
+    except Exception:  # learning failed: the canaries are judged as they stand, and the pass goes on
+        bound.exception("learning_failed")
+        contacted = set()
     try:  # baselines and calibrations, re-read only when they changed
         reads: Reads = store.judging(backend.name)
     except Exception:  # each canary reads its own, and a failure costs only that canary
@@ -152,18 +159,26 @@ def probe_backend(
         )
     # a chain names its first diverged step once the cycle's decision has settled each step's verdict
     settled = iter(decision.comparisons)
-    final = []
+    per: list[list[Judged]] = []
     for canary, per_canary in zip(canaries, judged, strict=True):
         steps = [replace(j, comparison=next(settled)) for j in per_canary]
         try:
-            final.extend(shape_of(canary).settle(canary, steps))
+            steps = shape_of(canary).settle(canary, steps)
         except Exception:  # the steps keep the verdicts the cycle's decision gave them
             bound.exception("settle_failed", canary=canary.id)
-            final.extend(steps)
-    final = [
-        replace(j, comparison=reference.apply(referenced, j.observation.canary_id, j.comparison))
-        for j in final
-    ]
+        per.append(
+            [
+                replace(j, comparison=reference.apply(referenced, j.observation.canary_id, j.comparison))
+                for j in steps
+            ]
+        )
+    final = [j for steps in per for j in steps]
+    try:  # the learning canaries' windows grow by this pass (before it is stored: its end is the series')
+        learn.grow(backend, canaries, per, stack, store, config.compare, contacted, bound)
+        learning = learn.still_learning(store, backend.name, final)
+    except Exception:
+        bound.exception("learning_failed")
+        learning = ()
     # one transaction for the pass; an observation the database refuses costs only itself
     items = [(j.observation, j.comparison, j.baseline_id) for j in final]
     written = store.record(run_id, items, len(canaries))
@@ -190,7 +205,9 @@ def probe_backend(
     answered = [r.observation.stack for r in results if r.observation.ok]
     run_stack = merge_stacks([stack, *answered]) if failure is None and answered else {}
     state = decision.state
-    return BackendRun(backend.name, backend.kind, run_id, results, run_stack, failure, state, referenced)
+    return BackendRun(
+        backend.name, backend.kind, run_id, results, run_stack, failure, state, referenced, learning
+    )
 
 
 _RECORDING_REPORTED: set[tuple[str, ...]] = set()
@@ -235,7 +252,8 @@ def _noise_floors(
     """Each answered canary's calibrated noise floor on this backend (`stats.noise_floor`): under the
     configuration that answered, else under the latest one calibrated (a provider's noise is more its
     hardware's than one configuration's, and a fleet rotating new ones would otherwise meet a floor of 0);
-    a canary without a usable calibration has none."""
+    a learning canary's is its window's so far (`canaryd.judge.learning`: first contact comes before the
+    checks); a canary without a usable calibration or window has none."""
     floors = {}
     for canary, observations in zip(canaries, sent, strict=True):
         if not observations or not observations[0].ok:
@@ -244,8 +262,9 @@ def _noise_floors(
         doc = reads.calibration(name, canary.id, configuration) or reads.calibration(name, canary.id)
         if not doc:
             continue
-        try:
-            floors[canary.id] = noise_floor(NoiseModel.from_dict(doc))
+        try:  # a canary still learning has the floor of its window so far
+            model = Learning.from_dict(doc).model() if is_learning(doc) else NoiseModel.from_dict(doc)
+            floors[canary.id] = noise_floor(model)
         except (CalibrationError, KeyError, TypeError, ValueError):  # the judge reports a refused model
             continue
     return floors

@@ -29,6 +29,7 @@ from canaryd.canaries import Canary, CheckTimeout, Expect
 from canaryd.conform import SIDES
 from canaryd.judge.compare import Comparison, Verdict, basis_of, compare, new_configuration
 from canaryd.judge.conformance import judge_pair, tool_call_verdict
+from canaryd.judge.learning import Learning, hold, is_learning
 from canaryd.judge.sampled import compare_samples
 from canaryd.judge.stats import CalibrationError, NoiseModel
 from canaryd.observation import ErrorKind, Observation
@@ -87,10 +88,18 @@ def _compare(store: Reads, settings: CompareConfig, obs: Observation, expect: Ex
     if base is None and obs.ok and (others := store.baselines(obs.backend, obs.canary_id)):
         return _first_of_configuration(settings, obs, correct, configuration, others)
     doc = store.calibration(obs.backend, obs.canary_id, configuration)
+    learning, state = settings.learn, None
     try:
-        noise, refused = (NoiseModel.from_dict(doc) if doc else None), None
+        if is_learning(doc):
+            state, noise, refused = Learning.from_dict(doc), None, None  # type: ignore[arg-type]
+            state = state if state.request_hash == obs.request_hash else None  # an older request's
+        else:
+            noise, refused = (NoiseModel.from_dict(doc) if doc else None), None
+            learning = learning and (noise is None or noise.request_hash != obs.request_hash)
     except (CalibrationError, KeyError, TypeError, ValueError) as e:  # written by an older version
         noise, refused = None, f"stored calibration refused ({e}): run `baseline calibrate`"
+    if learning:  # a model for an older request, or none: first contact (`canaryd.probe.learn`) is due
+        noise = None
     comparison = compare(
         base.observation if base else None,
         obs,
@@ -99,6 +108,10 @@ def _compare(store: Reads, settings: CompareConfig, obs: Observation, expect: Ex
         logprob_tolerance=settings.logprob_tolerance,
         noise=noise,
     )
+    if learning and base is not None and (state is None or state.refused is None):
+        comparison = hold(comparison, state)
+    elif learning and state is not None and obs.ok:  # refused: judged as without learning, and says why
+        comparison = replace(comparison, reasons=(*comparison.reasons, state.reason()))
     if refused is not None and obs.ok:
         comparison = replace(comparison, reasons=(*comparison.reasons, refused))
     if why is not None and obs.ok:

@@ -175,21 +175,57 @@ class Baselines(Connected):
             s.commit()
 
     def save_calibration(
-        self, backend: str, canary_id: str, model: NoiseModelLike, configuration: str | None = None
+        self,
+        backend: str,
+        canary_id: str,
+        model: NoiseModelLike,
+        configuration: str | None = None,
+        *,
+        restart_detector: bool = True,
     ) -> None:
         """Replace the noise model of the canary under a serving configuration (None: its latest baseline's)
-        and restart the backend's detector (its evidence was gathered against the old model)."""
+        and restart the backend's detector (its evidence was gathered against the old model). A model that
+        replaces a learning window leaves the detector alone (``restart_detector=False``): no evidence was
+        gathered against a window, and the other canaries' stands."""
         if configuration is None:
             configuration = latest_configuration(self.baselines(backend, canary_id)) or ""  # type: ignore[attr-defined]
+        self._put_calibration(
+            backend,
+            canary_id,
+            configuration,
+            (model.request_hash, model.k, str(model.regime.value), model.summary(), model.as_dict()),
+            restart_detector,
+        )
+
+    def save_learning(
+        self, backend: str, canary_id: str, configuration: str, request_hash: str, k: int, doc: dict
+    ) -> None:
+        """Keep the learning window of the canary under a serving configuration (``canaryd.judge.learning``)
+        in its calibration row (regime ``learning``, ``k`` the probes so far; the model is the window),
+        replacing what was there; the detector is left alone."""
+        summary = {
+            "regime": "learning",
+            "k": k,
+            **{n: v for n, v in doc["learning"].items() if n != "points"},
+        }
+        summary.pop("samples", None)
+        self._put_calibration(
+            backend, canary_id, configuration, (request_hash, k, "learning", summary, doc), False
+        )
+
+    def _put_calibration(
+        self, backend: str, canary_id: str, configuration: str, values: tuple, restart_detector: bool
+    ) -> None:
         with self._session() as s:
             key = (backend, canary_id, configuration)
             row = s.get(CalibrationRow, key) or CalibrationRow(
                 backend=backend, canary_id=canary_id, configuration=configuration
             )
-            row.request_hash, row.created_at, row.k = model.request_hash, utcnow(), model.k
-            row.regime, row.summary, row.model = str(model.regime.value), model.summary(), model.as_dict()
+            row.request_hash, row.k, row.regime, row.summary, row.model = values
+            row.created_at = utcnow()  # moves the cache's generation: every pass re-reads a changed row
             s.add(row)
-            self._reset_detector(s, backend)
+            if restart_detector:
+                self._reset_detector(s, backend)
             s.commit()
 
     def drop_calibrations(self, keys: Sequence[tuple[str, ...]]) -> int:

@@ -206,7 +206,8 @@ def test_a_noisy_provider_is_held_to_its_own_calibrated_noise_not_the_determinis
     from canaryd.probe.calibrate import calibrate
 
     moves = change(at=9, fingerprint="fp_new") + change(at=13, logprob_shift=-0.5)
-    lab = make(scripted(reference="ref", noise=0.01, seed=0, body=moves))
+    # without learning, whose window gives a floor before calibration (tests/unit/test_learning.py)
+    lab = make(scripted(reference="ref", noise=0.01, seed=0, body=moves), tail="[compare]\nlearn = false\n")
     lab.cycle()
     assert "reference-mismatch" in verdicts(lab.cycle()).values()  # no floor yet: the gap counts
     calibrate(lab.backend(), lab.canaries(), lab.store, k=8, batch_sizes=[1])

@@ -17,6 +17,8 @@ from tests.harness.scripted_lab import by_id, change, scripted, verdicts
 
 IDS = ["add", "capital", "colors"]
 
+NO_LEARNING = "[compare]\nlearn = false\n"  # for tests whose subject is judging without a model
+
 
 def test_first_pass_is_the_baseline_and_an_unchanged_pass_is_identical(make):
     lab = make(scripted())
@@ -48,7 +50,8 @@ def test_first_pass_is_the_baseline_and_an_unchanged_pass_is_identical(make):
 def test_check_exits_0_while_unchanged_and_1_once_logprobs_shift_at_cycle_3(make, tmp_path):
     """``canaryd check`` as an operator runs it, one process per pass: ``cycle_file`` carries the count."""
     cycles = tmp_path / "cycles"
-    lab = make(scripted(cycle_file=cycles, body=change(at=3, logprob_shift=-0.25)))
+    # without learning: its subject is the exit codes and the tolerance's reason (tests/unit/test_learning.py)
+    lab = make(scripted(cycle_file=cycles, body=change(at=3, logprob_shift=-0.25)), tail=NO_LEARNING)
 
     code, first = lab.check_json()
     assert code == 0 and first["exit_code"] == 0
@@ -245,7 +248,7 @@ def test_an_answer_without_logprobs_is_a_no_logprobs_error_when_they_are_require
 def test_logprob_tolerance_absorbs_noise_below_it_and_not_a_shift_above_it(make):
     lab = make(
         scripted(noise=1e-4, body=change(at=3, canaries=["add"], logprob_shift=-0.05)),
-        tail="[compare]\nlogprob_tolerance = 0.01\n",
+        tail="[compare]\nlogprob_tolerance = 0.01\nlearn = false\n",  # the tolerance, not learning
     )
     lab.cycle()
     second = lab.cycle()

@@ -27,6 +27,8 @@ from tests.harness.scripted_lab import ScriptedLab, by_id, change, scripted, ver
 
 IDS = ["add", "capital", "colors"]
 
+NO_LEARNING = "[compare]\nlearn = false\n"  # for tests whose subject is judging without a model
+
 
 @pytest.fixture
 def make(tmp_path):
@@ -114,7 +116,10 @@ def test_prompt_token_growth_is_a_stack_change_and_a_rotated_fingerprint_a_new_c
 
 
 def test_uncalibrated_reasoning_tokens_that_move_are_answer_drift(make):
-    lab = make(scripted(logprobs=False, reasoning_tokens=900, body=change(at=2, reasoning_tokens=300)))
+    lab = make(
+        scripted(logprobs=False, reasoning_tokens=900, body=change(at=2, reasoning_tokens=300)),
+        tail=NO_LEARNING,
+    )
     lab.cycle()
     run = lab.cycle()
     assert verdicts(run) == dict.fromkeys(IDS, "answer-drift")
@@ -128,7 +133,8 @@ def test_uncalibrated_reasoning_tokens_that_move_are_answer_drift(make):
 
 @pytest.mark.parametrize("first", [True, False], ids=["logprobs-then-none", "none-then-logprobs"])
 def test_a_basis_change_alone_is_judged_on_text_with_the_reason_and_is_no_drift(make, first):
-    lab = make(scripted(logprobs=first, body=change(at=2, logprobs=not first)))
+    # without learning: an exact first contact's model would add its own reason (tests/unit/test_learning.py)
+    lab = make(scripted(logprobs=first, body=change(at=2, logprobs=not first)), tail=NO_LEARNING)
     assert bases(lab.cycle()) == {"logprobs" if first else "text"}
     run = lab.cycle()
     assert verdicts(run) == dict.fromkeys(IDS, "identical") and bases(run) == {"text"}
@@ -209,6 +215,7 @@ def test_calibration_refuses_a_baseline_whose_reasoning_tokens_lie_outside_the_s
     lab = make(
         scripted(logprobs=False, reasoning_tokens=900, body=change(at=2, reasoning_tokens=400)),
         {"six.toml": SIX},
+        tail=NO_LEARNING,  # no model from first contact: only what calibrate saves is in the store
     )
     lab.cycle()  # the baselines, at 900
     lab.backend().snapshot()  # cycle 2: the calibration probes all answer 400

@@ -1,0 +1,238 @@
+"""Learning by default, the probing half: first contact, and each pass's learning probes.
+
+The rules are ``canaryd.judge.learning``'s; here they meet the backend and the store. Each canary ×
+configuration without a noise model for its request gets **first contact** in the pass that finds it so,
+before the pass is judged: ``learn_first`` probes through the shape's `calibration_probes` (alone, and
+crowded beside filler requests where the backend takes more than one request at a time). Bit-identical with
+the pass's own answer: an EXACT model is saved at once (the pass is judged against it). Otherwise a learning
+window starts. After the pass is stored, every learning canary whose pass was quiet (no drift, no error)
+adds its own answer and ``learn_per_pass`` crowded probes to its window; when ``learn_k`` are in (or
+``learn_max_passes`` passes are past, from at least `MIN_FIT` probes) the window is fitted and, if it
+launders nothing, saved as the canary's noise model. The window lives in the ``calibration`` table
+(`Store.save_learning`), so each ``canaryd check`` process goes on where the last one stopped.
+
+Learning probes are never stored as observations (like calibration probes, they would disturb the
+baselines), so a backend's daily budget does not count them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from canaryd import progress
+from canaryd.judge.learning import (
+    MIN_FIT,
+    SHIFT_ALPHA,
+    Learning,
+    exact,
+    is_learning,
+    newest_within,
+    outside,
+    resolvable,
+    window_shift_p,
+)
+from canaryd.judge.stats import CalibrationError, NoiseModel, fit
+from canaryd.observation import Observation, tokens_problem
+from canaryd.probe.shapes import Judged, shape_of
+from canaryd.stack import configuration_of
+
+if TYPE_CHECKING:
+    from canaryd.backends import Backend
+    from canaryd.canaries import Canary
+    from canaryd.config import CompareConfig
+    from canaryd.store import Reads, Store
+
+FIRST = "first"  # no model, no window (or one for an older request): first contact is due
+
+
+def _state(reads: Reads, backend: str, obs: Observation) -> Learning | str | None:
+    """The observed id's learning window; `FIRST` when first contact is due; None when a model of its
+    request is stored (nothing to learn)."""
+    doc = reads.calibration(backend, obs.canary_id, configuration_of(obs.stack))
+    if doc is None:
+        return FIRST
+    try:
+        if is_learning(doc):
+            state = Learning.from_dict(doc)
+            return state if state.request_hash == obs.request_hash else FIRST
+        return None if NoiseModel.from_dict(doc).request_hash == obs.request_hash else FIRST
+    except (CalibrationError, KeyError, TypeError, ValueError):  # unreadable: learning replaces it
+        return FIRST
+
+
+def _sizes(backend: Backend, settings: CompareConfig, alone: bool) -> tuple[int, ...]:
+    """The load levels of learning probes: alone (``alone``) and one crowded batch, as large as the
+    largest calibration batch size the backend's concurrency allows (none where it takes one at a time)."""
+    crowd = min(max(settings.calibration_batch_sizes), backend.concurrency)
+    if crowd <= 1:
+        return (1,)
+    return (1, crowd) if alone else (crowd,)
+
+
+def _usable(probes: Sequence[Observation], own: Observation, stack: dict[str, str]) -> list[Observation]:
+    """The honest probes of ``own``'s request and serving configuration (a fleet's crowded probe may have
+    reached another member), each with the pass's snapshot joined as the pass's own answers have it."""
+    out = []
+    for o in probes:
+        if o.ok and tokens_problem(o.tokens) is None and o.request_hash == own.request_hash:
+            o.stack = {**stack, **o.stack}
+            if configuration_of(o.stack) == configuration_of(own.stack):
+                out.append(o)
+    return out
+
+
+def first_contact(
+    backend: Backend,
+    canaries: Sequence[Canary],
+    sent: Sequence[list[Observation]],
+    stack: dict[str, str],
+    store: Store,
+    settings: CompareConfig,
+    bound: Any,
+) -> set[str]:
+    """First contact for every canary of the pass that is due it (all its answers ok); returns their ids."""
+    done: set[str] = set()
+    if not settings.learn:
+        return done
+    reads = store.judging(backend.name)
+    for canary, observations in zip(canaries, sent, strict=True):
+        shape = shape_of(canary)
+        if not (settings.learn and shape.calibrated and observations and all(o.ok for o in observations)):
+            continue
+        due = [o for o in observations if _state(reads, backend.name, o) == FIRST]
+        if not due:
+            continue
+        sizes = _sizes(backend, settings, alone=True)
+        with progress.quiet():  # not the pass's canaries: its progress line counts those
+            probes = shape.calibration_probes(
+                backend, canary, canaries, k=settings.learn_first, batch_sizes=sizes
+            )
+        for own in due:
+            regime = _first(
+                store, backend.name, own, _usable(probes.get(own.canary_id, []), own, stack), settings
+            )
+            bound.info("learning_first_contact", canary=own.canary_id, regime=regime)
+        done.add(canary.id)
+    return done
+
+
+def _first(
+    store: Store, backend: str, own: Observation, usable: list[Observation], settings: CompareConfig
+) -> str:
+    configuration = configuration_of(own.stack)
+    if not usable:
+        return "no probe answered"
+    # the pass's own answer opens the window: at a canary's first pass it is the baseline, so the window
+    # holds it, and a change after it is a split in time (`window_shift_p`)
+    state = Learning.start(own.request_hash, [own, *usable], settings.learn_k, settings.learn_max_passes)
+    if exact([own, *usable]):
+        model = fit([own, *usable])
+        problem = _outside_baseline(store, backend, own.canary_id, configuration, model)
+        if problem is None:
+            store.save_calibration(backend, own.canary_id, model, configuration, restart_detector=False)
+            return "exact"
+        state = replace(state, refused=f"exact at first contact, but {problem}")
+    store.save_learning(backend, own.canary_id, configuration, own.request_hash, state.k, state.as_dict())
+    return "refused" if state.refused else "learning"
+
+
+def _outside_baseline(
+    store: Store, backend: str, canary_id: str, configuration: str, model: NoiseModel
+) -> str | None:
+    base = store.baseline(backend, canary_id, configuration)
+    if base is None or tokens_problem(base.observation.tokens) is not None:
+        return None
+    if base.observation.request_hash != model.request_hash:
+        return None
+    return outside(model, base.observation)
+
+
+def grow(
+    backend: Backend,
+    canaries: Sequence[Canary],
+    judged: Sequence[list[Judged]],
+    stack: dict[str, str],
+    store: Store,
+    settings: CompareConfig,
+    skip: set[str],
+    bound: Any,
+) -> None:
+    """Each learning canary's pass (but those of ``skip``, whose first contact was this pass): one more pass
+    counted, and when it was quiet its own answer and its learning probes added; a full window is fitted."""
+    if not settings.learn:
+        return
+    reads = store.judging(backend.name)
+    for canary, per in zip(canaries, judged, strict=True):
+        shape = shape_of(canary)
+        if canary.id in skip or not shape.calibrated:
+            continue
+        states = {}
+        for j in per:
+            s = _state(reads, backend.name, j.observation) if j.observation.ok else None
+            if isinstance(s, Learning) and s.refused is None:
+                states[j.observation.canary_id] = (s, j.observation)
+        if not states:
+            continue
+        quiet = all(j.observation.ok and not j.comparison.verdict.is_drift for j in per)
+        probes = {}
+        if quiet and settings.learn_per_pass:
+            sizes = _sizes(backend, settings, alone=False)
+            with progress.quiet():
+                probes = shape.calibration_probes(
+                    backend, canary, canaries, k=settings.learn_per_pass, batch_sizes=sizes
+                )
+        for cid, (state, own) in states.items():
+            state = replace(state, passes=state.passes + 1)
+            added = [own, *_usable(probes.get(cid, []), own, stack)] if quiet else []
+            state = state.add(added)
+            outcome, why = _settle(store, backend.name, own, state, len(added), settings)
+            bound.info("learning", canary=cid, probes=state.k, target=state.target, outcome=outcome, why=why)
+
+
+def _settle(
+    store: Store, backend: str, own: Observation, state: Learning, added: int, settings: CompareConfig
+) -> tuple[str, str | None]:
+    """Fit the window when it is full (or past ``learn_max_passes``) unless its ``added`` newest probes
+    are out of the noise before them (it waits a pass), save the model unless it would launder a change;
+    else keep the window. Returns what happened, and why a window was not saved."""
+    configuration = configuration_of(own.stack)
+    late = state.passes >= settings.learn_max_passes
+    due = state.k >= state.target or (late and state.k >= MIN_FIT)
+    if due and not late and state.suspect is None and not newest_within(state, added):
+        state = replace(state, suspect=state.k - added)  # a change in this very pass? wait to tell
+    if due and not late and not resolvable(state):
+        due = False
+    if due:
+        model = state.model()
+        problem = _outside_baseline(store, backend, own.canary_id, configuration, model)
+        if problem is None and (p := window_shift_p(model)) <= SHIFT_ALPHA:
+            problem = (
+                f"the window's first and second half differ beyond noise (permutation p {p:.3g}): "
+                "something changed while learning"
+            )
+        if problem is None:
+            store.save_calibration(backend, own.canary_id, model, configuration, restart_detector=False)
+            return "fitted", None
+        if state.restarts == 0:
+            state = Learning(
+                state.request_hash, (), (), state.target, restarts=1, max_passes=state.max_passes
+            )
+        else:
+            state = replace(state, refused=problem)
+    store.save_learning(backend, own.canary_id, configuration, own.request_hash, state.k, state.as_dict())
+    if not due:
+        return "learning", None
+    return ("refused" if state.refused else "restarted"), problem
+
+
+def still_learning(store: Store, backend: str, judged: Sequence[Judged]) -> tuple[str, ...]:
+    """The canary (and step) ids of the pass whose configuration is still learning (not refused)."""
+    reads = store.judging(backend)
+    out = []
+    for j in judged:
+        s = _state(reads, backend, j.observation) if j.observation.ok else None
+        if isinstance(s, Learning) and s.refused is None:
+            out.append(j.observation.canary_id)
+    return tuple(dict.fromkeys(out))
