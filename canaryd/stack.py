@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from fnmatch import fnmatch
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -37,10 +38,20 @@ def diff(before: dict[str, str], after: dict[str, str]) -> list[FieldChange]:
 
 # What canaryd itself records in a stack has a version, stamped on every snapshot (`stamped`): bump
 # RECORDER whenever a kind, the host facts or the secret rule (`hostfacts.is_secret_name`) starts or stops
-# recording a field, or renames one. tests/unit/test_recorder.py keeps each version's digest of the fields
-# recorded from the recorded bodies, and fails until the bump. Stacks stored before the stamp are "1".
+# recording a field, or renames one, and say in CHANGED_BY which field names the new version may add or
+# drop. tests/unit/test_recorder.py keeps each version's digest of the fields recorded from the recorded
+# bodies, and fails until the bump. Stacks stored before the stamp are "1".
 RECORDER_FIELD = "canaryd.recorder"
-RECORDER = "3"
+RECORDER = "4"
+
+_CREDENTIAL_NAMES = ("*key*", "*token*", "*secret*", "*passw*", "*passphrase*", "*credential*")
+# Per version, the field names (fnmatch patterns, matched in lower case) it may record where the version
+# before did not, or no longer record: the only fields whose presence alone a recorder change explains.
+CHANGED_BY: dict[str, tuple[str, ...]] = {
+    "2": (RECORDER_FIELD, *_CREDENTIAL_NAMES),  # one secret-name rule instead of three
+    "3": ("request.scoring_cache_salt",),  # scoring requests carry a cache_salt
+    "4": _CREDENTIAL_NAMES,  # the secret rule fails closed on a credential name with a qualifier
+}
 
 
 def stamped(fields: dict[str, str]) -> dict[str, str]:
@@ -52,24 +63,44 @@ def split(before: dict[str, str], after: dict[str, str]) -> tuple[list[FieldChan
     """`diff`, split into (what the serving side changed, what canaryd records differently).
 
     Between stacks recorded under different versions of canaryd's rules (an upgrade, or fleet members of
-    two versions), a field present on one side only was added, dropped or renamed by canaryd, not by the
-    server: a recording change, never a stack change; so is a JSON value only spelled anew (``"\\u00e9"``
-    and ``"é"``). A value that moved on a field both sides record is a stack change whatever the versions."""
+    two versions), a field present on one side only is a recording change when a version in between says
+    it may add or drop that name (`CHANGED_BY`), and so is a JSON value only spelled anew (``"\\u00e9"``
+    and ``"é"``; ``"0"`` and ``"false"`` are two values). Anything else is the server's: a field a baseline
+    of any age never had, or a value that moved, is a stack change whatever the versions."""
     changes = diff(before, after)
-    if before.get(RECORDER_FIELD, "1") == after.get(RECORDER_FIELD, "1"):
+    old, new = before.get(RECORDER_FIELD, "1"), after.get(RECORDER_FIELD, "1")
+    if old == new:
         return changes, []
-    recorded = [c for c in changes if c.field == RECORDER_FIELD or _respelled(c.before, c.after)]
+    names = _changed_between(old, new)
+    recorded = [
+        c
+        for c in changes
+        if c.field == RECORDER_FIELD
+        or _respelled(c.before, c.after)
+        or ((c.before is None or c.after is None) and any(fnmatch(c.field.lower(), n) for n in names))
+    ]
     return [c for c in changes if c not in recorded], recorded
 
 
+def _changed_between(a: str, b: str) -> tuple[str, ...]:
+    """The names the versions after the older of two and up to the newer may add or drop."""
+    lo, hi = sorted((_version(a), _version(b)))
+    return tuple(n for v, names in CHANGED_BY.items() if lo < int(v) <= hi for n in names)
+
+
+def _version(value: str) -> int:
+    return int(value) if value.isdigit() else 1
+
+
 def _respelled(before: str | None, after: str | None) -> bool:
-    """One side absent, or two spellings of one JSON value."""
+    """Two spellings of one JSON value, of one type (a number is not a boolean, nor an int a float)."""
     if before is None or after is None:
-        return True
+        return False
     try:
-        return json.loads(before) == json.loads(after)
+        a, b = json.loads(before), json.loads(after)
     except ValueError:
         return False
+    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
 
 
 def merge_stacks(stacks: Iterable[dict[str, str]]) -> dict[str, str]:

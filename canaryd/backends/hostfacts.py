@@ -77,10 +77,30 @@ _SECRET_WORDS = {
     "APIKEYS",
     "KEYFILE",
 }
-# words that mean one only as the name's subject (an attention key, a tokenizer's token otherwise),
+# words that mean one unless they modify another word (an attention key, a tokenizer's token),
 _SUBJECT_WORDS = {"KEY", "KEYS", "TOKEN"}
-# the words that may follow a subject and still name the credential, or where it is kept,
-_WHERE_WORDS = {"FILE", "PATH", "DIR", "ENV", "VAR", "NAME", "ID"}
+# the words that, right after a subject, make it a modifier: what is measured of keys or tokens,
+_MEASURE_WORDS = {
+    "BUDGET",
+    "CAPACITY",
+    "COUNT",
+    "DIM",
+    "DISTRIBUTION",
+    "IDS",
+    "LATENCY",
+    "LEN",
+    "LENGTH",
+    "LIMIT",
+    "LOGPROBS",
+    "MAP",
+    "NUM",
+    "RATE",
+    "RATIO",
+    "SIZE",
+    "THRESHOLD",
+    "TYPE",
+    "USAGE",
+}
 # and the tokenizer's words before ``token`` (``bos_token``, ``timings_per_token``, ``next_token``).
 _TOKENIZER_WORDS = {"BOS", "EOS", "PAD", "UNK", "SEP", "CLS", "MASK", "PER", "FIRST", "NEXT", "DECODED"}
 # Files in a model directory that decide what the model computes or how text is tokenized.
@@ -107,28 +127,29 @@ def is_secret_name(name: str) -> bool:
 
     - ``secret``, ``password``, ``passwd``, ``passphrase``, ``credential(s)``, ``apikey``, ``keyfile``
       anywhere: ``VLLM_S3_SECRET_ACCESS``, ``OPENAI_APIKEY``, ``ssl_keyfile``;
-    - ``key``, ``keys`` or ``token`` as the subject: the last word, or followed only by words that say
-      where the credential is kept or which one it is (``file``, ``path``, ``dir``, ``env``, ``var``,
-      ``name``, ``id``): ``api_key``, ``HF_TOKEN``, ``api_key_env``, ``token_path``, ``access_key_id``;
-      ``token`` after a tokenizer word (``bos_token``, ``timings_per_token``) is the tokenizer's.
+    - ``key``, ``keys`` or ``token``, unless the word right after it says what is measured of keys or
+      tokens (``key_length``, ``token_ids``, ``speculative_token_map``, ``…_TOKEN_THRESHOLD``), or
+      ``token`` follows a tokenizer word (``bos_token_id``, ``timings_per_token``): ``api_key``,
+      ``HF_TOKEN``, ``api_key_env``, ``token_path``, ``access_key_id``, ``OPENAI_API_KEY_2``,
+      ``GITHUB_TOKEN_READONLY``, ``PRIVATE_KEY_PEM``.
 
-    A name that says *where* a secret lives (``api_key_env``, ``password_file``, ``token_path``,
-    ``secret_name``) is dropped too: it is no numerics fact, a path can name a user, and a misused
-    argument may carry the secret itself; a dropped field costs one unwatched setting, a kept secret
-    leaks into every store and export. ``key`` and ``token`` anywhere else modify another word: an
-    attention ``key_length``, tokenizer fields (``bos_token_id``, ``token_type``, ``speculative_token_map``,
-    ``…_TOKEN_THRESHOLD``), never a credential. Plurals of ``token`` are counts (``max_tokens``).
+    The rule fails closed: a credential name with any qualifier (where it is kept, which one, a suffix) is
+    dropped, and only a known measure keeps a name. A name that says *where* a secret lives
+    (``api_key_env``, ``password_file``, ``token_path``, ``secret_name``) is dropped too: it is no numerics
+    fact, a path can name a user, and a misused argument may carry the secret itself; a dropped field costs
+    one unwatched setting, a kept secret leaks into every store and export. Plurals of ``token`` are
+    counts (``max_tokens``).
     """
     words = re.split(r"[^A-Z0-9]+", re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name).upper())
     words = [w for w in words if w]
     for i, word in enumerate(words):
         if word in _SECRET_WORDS:
             return True
-        if (
-            word in _SUBJECT_WORDS
-            and all(w in _WHERE_WORDS for w in words[i + 1 :])
-            and not (word == "TOKEN" and i and words[i - 1] in _TOKENIZER_WORDS)
-        ):
+        if word not in _SUBJECT_WORDS:
+            continue
+        measured = words[i + 1 : i + 2] and words[i + 1] in _MEASURE_WORDS
+        tokenizers = word == "TOKEN" and i > 0 and words[i - 1] in _TOKENIZER_WORDS
+        if not (measured or tokenizers):
             return True
     return False
 

@@ -50,6 +50,13 @@ def test_secret_looking_names_are_dropped():
         ("secret_name", True),
         ("token_path", True),
         ("AWS_ACCESS_KEY_ID", True),
+        # a credential with any other qualifier: the rule fails closed
+        ("OPENAI_API_KEY_2", True),
+        ("HF_TOKEN_1", True),
+        ("API_KEY_PROD", True),
+        ("PRIVATE_KEY_PEM", True),
+        ("API_KEY_BASE64", True),
+        ("GITHUB_TOKEN_READONLY", True),
         # a tokenizer's tokens, an attention key, counts: kept
         ("bos_token_id", False),
         ("eos_token_id", False),
@@ -60,6 +67,8 @@ def test_secret_looking_names_are_dropped():
         ("speculative_token_map", False),
         ("VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD", False),
         ("llama.attention.key_length", False),
+        ("token_ids", False),
+        ("bucket_inter_token_latency", False),
         ("max_total_tokens", False),
         ("tokenizer_path", False),
         ("kv_cache_dtype", False),

@@ -30,7 +30,7 @@ from tests.harness.scripted_lab import scripted, verdicts
 
 CHATS = sorted(fixtures.ROOT.glob("providers/*/chat.json"))
 # Each recorder version's digest of what canaryd records from the recorded bodies (`recorded_names`).
-DIGESTS = {"2": "57399d51893641f2", "3": "6e1b721c31554b16"}
+DIGESTS = {"2": "57399d51893641f2", "3": "6e1b721c31554b16", "4": "446fbbea3d7c497e"}
 # Names the secret rule decides on besides every key of the recorded bodies.
 NAMES = (
     "api_key_env",
@@ -43,6 +43,9 @@ NAMES = (
     "AWS_ACCESS_KEY_ID",
     "llama.attention.key_length",
     "VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD",
+    "OPENAI_API_KEY_2",
+    "GITHUB_TOKEN_READONLY",
+    "PRIVATE_KEY_PEM",
 )
 ENVIRON = {
     "VLLM_API_KEY": "x",
@@ -139,6 +142,32 @@ def test_a_json_value_spelled_anew_is_a_recording_change_across_versions():
     assert same == ([FieldChange("engine.stop", escaped, plain)], [])  # one version: the server's
     moved = split({**OLD, "engine.stop": '["a"]'}, {**NEW, "engine.stop": '["b"]'})[0]
     assert moved == [FieldChange("engine.stop", '["a"]', '["b"]')]
+
+
+def test_a_field_no_version_in_between_may_add_or_drop_is_the_servers():
+    """A baseline kept from before the upgrade must not hide what the server adds or drops later."""
+    after = {**NEW, "engine.enforce_eager": "true", "vllm.error": "HTTP 500"}
+    changed, recorded = split({**OLD, "vllm.version": "0.9"}, after)
+    assert [c.field for c in changed] == ["engine.enforce_eager", "vllm.error", "vllm.version"]
+    assert [c.field for c in recorded] == [RECORDER_FIELD, "engine.api_key_env", "engine.bos_token_id"]
+    salt = stack.stamped({"request.scoring_cache_salt": "per-request"})
+    before = {RECORDER_FIELD: "3", "request.scoring_cache_salt": "per-request"}
+    assert split(before, salt) == ([], [FieldChange(RECORDER_FIELD, "3", RECORDER)])
+    assert split({RECORDER_FIELD: "2"}, salt)[1][1].field == "request.scoring_cache_salt"  # added by 3
+    assert split({RECORDER_FIELD: "3"}, salt)[0][0].field == "request.scoring_cache_salt"  # 3 had it
+    assert split({RECORDER_FIELD: "3", "request.scoring_cache_salt": "x"}, salt)[0] != []  # a value moved
+
+
+def test_two_values_that_parse_alike_but_differ_in_type_are_the_servers():
+    changed, _ = split({**OLD, "engine.flag": "0"}, {**NEW, "engine.flag": "false"})
+    assert changed == [FieldChange("engine.flag", "0", "false")]
+    changed, _ = split({**OLD, "engine.scale": "1"}, {**NEW, "engine.scale": "1.0"})
+    assert changed == [FieldChange("engine.scale", "1", "1.0")]
+
+
+def test_every_version_says_which_fields_it_may_add_or_drop():
+    assert sorted(stack.CHANGED_BY, key=int) == [str(v) for v in range(2, int(RECORDER) + 1)]
+    assert all(stack.CHANGED_BY.values())
 
 
 def test_under_one_version_every_difference_is_the_servers():
