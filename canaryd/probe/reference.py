@@ -148,7 +148,9 @@ def run_checks(
         return Cycle(ref_name, {}, {}, decide({}, config.compare.alpha))
     if reference is None:  # not built for the pass: not in its config (a pin that leaves it out)
         config.backend(ref_name)  # says so
-        raise ValueError(f"reference {ref_name!r} was not handed to the pass")
+        raise ValueError(
+            f"reference {ref_name!r} is not available to the pass (it failed to build: see the log)"
+        )
     with ThreadPoolExecutor(reference.concurrency, thread_name_prefix=f"reference-{name}") as ex:
         checks = list(ex.map(lambda item: check_one(reference, *item), todo))
     by_id = {c.id: check for (c, _), check in zip(todo, checks, strict=True)}

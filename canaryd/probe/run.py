@@ -426,14 +426,22 @@ def built(config: Config, names: Iterable[str]) -> Iterator[dict[str, Backend]]:
     passes on them; closed at the end."""
     wanted = dict.fromkeys(names)
     known = {b.name for b in config.backends}
+    references = set()
     for name in list(wanted):
         ref = config.backend(name).reference
-        if ref in known:
-            wanted.setdefault(ref)
+        if ref in known and ref not in wanted:
+            wanted[ref] = None
+            references.add(ref)
     backends: dict[str, Backend] = {}
     try:
         for name in wanted:
-            backends[name] = make_backend(config.backend(name))
+            try:
+                backends[name] = make_backend(config.backend(name))
+            except Exception as e:
+                if name not in references:
+                    raise
+                # Only the checks it serves fail (`reference.run_checks`), never the pass of its provider.
+                log.warning("reference_unavailable", backend=name, error=f"{e.__class__.__name__}: {e}")
         yield backends
     finally:
         for b in backends.values():

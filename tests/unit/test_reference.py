@@ -269,3 +269,14 @@ def test_the_backends_largest_parting_is_its_reference_divergence_metric(make):
     value = float(text.split('canaryd_backend_reference_divergence_nats{backend="fake"} ')[1].split()[0])
     assert value == pytest.approx(run.reference.max_parting_nats) and value > 0.5
     assert 'canaryd_backend_reference_divergence_nats{backend="ref"}' not in text
+
+
+def test_a_reference_that_cannot_be_built_costs_its_checks_not_the_providers_pass(make):
+    """A reference whose key is missing, in a pass of its provider alone: the provider is still probed and
+    stored (its baselines need no reference); the reference is said to be unavailable."""
+    ref = '[[backends]]\nname = "ref"\nkind = "vllm"\nbase_url = "http://127.0.0.1:9/v1"\nmodel = "m"\n'
+    lab = make(scripted(reference="ref"), ref + 'api_key_env = "CANARYD_TEST_UNSET_KEY"\n')
+    p = lab.cli("check", "--backend", "fake")
+    assert p.returncode == 0, p.stderr
+    assert "reference_unavailable" in p.stdout + p.stderr and "CANARYD_TEST_UNSET_KEY" in p.stdout + p.stderr
+    assert None not in lab.baselines(["add", "capital", "colors"])
