@@ -5,7 +5,8 @@ vLLM chat answer of 32 tokens with the top 5 alternatives each. In one run this 
 rounds that each take all three side by side (medians printed; the ratios are medians of each round's):
 
 * the floor: a bare POST of the same request body to the same server, plus ``json.loads`` of the answer;
-* the daemon path: `probe_backend` passes on one open store and backend (what each daemon cycle does);
+* the daemon path: `probe_backend` passes on one open store and backend (the step `run_pass` takes
+  for each backend of a daemon cycle);
 * the CLI path: `one_pass`, which ``canaryd check`` runs: suites, backends and store opened every time;
 * one probe's phases, before (the per-probe calls a pass used to make: body built per request, baseline
   and calibration read per probe, a transaction per observation) and after (what a pass now calls).

@@ -2,11 +2,11 @@
 
 Exit codes (also in ``canaryd --help`` and the README):
 
-0  every canary identical to its baseline (or a new baseline was recorded)
+0  every canary identical to its baseline, within its noise or learning it (or a new baseline was recorded)
 1  drift: a regression, answer drift, logprob drift or stack change
 2  bad config, canary file or usage (also a metrics address in use, an unusable state_dir or storage.url),
-   or a backend refused a request as configured (an unsupported parameter or value: one line names the
-   backend, the parameter and the request-profile key that fixes it)
+   or a backend refused a request as configured (an unsupported parameter or value, an engine's cap on
+   top-k logprobs: one line names the backend, the parameter and the request-profile key that fixes it)
 3  a backend was unreachable or failing, or its daily budget is spent, so it could not be judged
 4  internal or storage error (a bug or a broken database: see the log)
 

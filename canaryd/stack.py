@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from fnmatch import fnmatch
 from collections.abc import Iterable
 from dataclasses import dataclass
+from fnmatch import fnmatch
 
 
 def canonical(fields: dict[str, str]) -> bytes:

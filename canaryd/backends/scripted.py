@@ -302,7 +302,8 @@ class Prober:
         if cfg is None:
             return shift, noise, None
         with self._lock:
-            model = self._models.setdefault(cfg, Realistic(cfg))
+            if (model := self._models.get(cfg)) is None:
+                model = self._models[cfg] = Realistic(cfg)
         return shift, noise, model
 
     def _identify(self, obs: Observation, active: list[Change], member: Member | None) -> None:
