@@ -242,8 +242,10 @@ def test_vllm_scoring_requests_carry_a_fresh_cache_salt_that_stays_out_of_hash_r
         {"forced-chat": "identical"},
         {"forced-chat": "identical"},
     ]
+    # three passes, and first contact's probes (learning finds the replay exact): one salt each
     salts = [body["cache_salt"] for body in server.sent]
-    assert len(salts) == 3 and len(set(salts)) == 3 and all(re.fullmatch("[0-9a-f]{32}", s) for s in salts)
+    assert len(salts) >= 3 and len(set(salts)) == len(salts)
+    assert all(re.fullmatch("[0-9a-f]{32}", s) for s in salts)
     observations = [by_id(r)["forced-chat"].observation for r in runs]
     assert all(o.stack["request.scoring_cache_salt"] == "per-request" for o in observations)
     assert all("cache_salt" not in o.request for o in observations)
