@@ -1,16 +1,9 @@
 #!/usr/bin/env bash
 # Set up everything the test suite needs on a fresh Debian machine, then run it: the README's second
 # command. Idempotent: what is already there is kept, so a second run goes straight to the tests.
-# Arguments go to pytest (`./test.sh -x`, `./test.sh tests/e2e/test_census_e2e.py`). A first argument
-# `--lint` also runs ruff's lint and format checks before the tests (what CI adds: .ci/run).
+# Arguments go to pytest (`./test.sh -x`, `./test.sh tests/e2e/test_census_e2e.py`).
 set -euo pipefail
 cd "$(dirname "$0")"
-
-lint=false
-if [ "${1:-}" = --lint ]; then
-    lint=true
-    shift
-fi
 
 # Real Prometheus, promtool, Alertmanager and PostgreSQL 15 for the tests, which start their own instances
 # on loopback ports (none of the packages' default services is used), headless Chromium, which opens
@@ -45,10 +38,6 @@ wait "$litellm_install" || {
     echo "test.sh: LiteLLM failed" >&2
     exit 1
 }
-if $lint; then
-    .venv/bin/ruff check .
-    .venv/bin/ruff format --check .
-fi
 # The llama.cpp build goes on while the tests run: tests/e2e/test_llamacpp.py runs last and waits for it
 # (the build's lock); if the tests fail, the build's log ends the output when the build failed too.
 .venv/bin/pytest "$@" || {
