@@ -211,3 +211,17 @@ def test_past_learn_max_passes_a_window_is_fitted_from_what_it_has(make):
     run = lab.cycle()  # the third pass: 11 of 100 probes, fitted
     assert run.learning == () and {regime(lab, c) for c in IDS} <= {"continuous", "modal"}
     assert {NoiseModel.from_dict(lab.store.calibration("fake", c)).k for c in IDS} == {11}
+
+
+def test_under_the_realistic_gpu_noise_model_learning_is_quiet_and_then_catches_a_shift(make):
+    """The bf16 preset (paths by load, heavy tails, prefix-cache hits), not Gaussian noise of one sd."""
+    lab = make(scripted(noise_model={"preset": "gpu-bf16"}, seed=3, body=change(at=15, logprob_shift=-0.3)))
+    learned = None
+    for n in range(1, 15):
+        run = lab.cycle()
+        assert not DRIFT & set(verdicts(run).values()), (n, verdicts(run))
+        if learned is None and run.learning == ():
+            learned = n
+    assert learned is not None and learned <= 10, learned
+    caught = [verdicts(lab.cycle()) for _ in range(2)]
+    assert any(set(v.values()) == {"logprob-drift"} for v in caught), caught
