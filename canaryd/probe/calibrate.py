@@ -29,9 +29,9 @@ from canaryd.backends import Backend
 from canaryd.canaries import Canary
 from canaryd.config import Config
 from canaryd.errors import EXIT_DRIFT, EXIT_OK, EXIT_UNAVAILABLE, InputError
-from canaryd.judge.learning import outside
 from canaryd.judge.stats import CalibrationError, NoiseModel, fit
-from canaryd.observation import Observation, tokens_problem
+from canaryd.observation import Observation
+from canaryd.probe.learn import outside_baseline
 from canaryd.probe.shapes import shape_of
 from canaryd.stack import configuration_of
 from canaryd.store import Store, open_store
@@ -121,12 +121,7 @@ def _fit_one(
         model = fit(observed)
     except CalibrationError as e:
         return Calibrated(backend, cid, None, errors, str(e), configuration)
-    problem = None
-    base = store.baseline(backend, cid, configuration)
-    if base is not None and tokens_problem(base.observation.tokens) is not None:
-        base = None  # unusable logprobs, stored by an older version: the next pass replaces it
-    if base is not None and base.observation.request_hash == model.request_hash:
-        problem = outside(model, base.observation)
+    problem = outside_baseline(store, backend, cid, configuration, model)
     if problem is None:
         store.save_calibration(backend, cid, model, configuration)
     return Calibrated(backend, cid, model, errors, problem, configuration)

@@ -99,7 +99,7 @@ def first_contact(
     reads = store.judging(backend.name)
     for canary, observations in zip(canaries, sent, strict=True):
         shape = shape_of(canary)
-        if not (settings.learn and shape.calibrated and observations and all(o.ok for o in observations)):
+        if not (shape.calibrated and observations and all(o.ok for o in observations)):
             continue
         due = [o for o in observations if _state(reads, backend.name, o) == FIRST]
         if not due:
@@ -129,7 +129,7 @@ def _first(
     state = Learning.start(own.request_hash, [own, *usable], settings.learn_k, settings.learn_max_passes)
     if exact([own, *usable]):
         model = fit([own, *usable])
-        problem = _outside_baseline(store, backend, own.canary_id, configuration, model)
+        problem = outside_baseline(store, backend, own.canary_id, configuration, model)
         if problem is None:
             store.save_calibration(backend, own.canary_id, model, configuration, restart_detector=False)
             return "exact"
@@ -138,9 +138,12 @@ def _first(
     return "refused" if state.refused else "learning"
 
 
-def _outside_baseline(
+def outside_baseline(
     store: Store, backend: str, canary_id: str, configuration: str, model: NoiseModel
 ) -> str | None:
+    """Why the stored baseline of the model's request lies outside it (None: it does not, or there is none
+    to hold it to: no baseline, another request, or unusable logprobs an older version stored, which the
+    next pass replaces); the check before a learned or calibrated model is saved."""
     base = store.baseline(backend, canary_id, configuration)
     if base is None or tokens_problem(base.observation.tokens) is not None:
         return None
@@ -206,7 +209,7 @@ def _settle(
         due = False
     if due:
         model = state.model()
-        problem = _outside_baseline(store, backend, own.canary_id, configuration, model)
+        problem = outside_baseline(store, backend, own.canary_id, configuration, model)
         if problem is None and (p := window_shift_p(model)) <= SHIFT_ALPHA:
             problem = (
                 f"the window's first and second half differ beyond noise (permutation p {p:.3g}): "
