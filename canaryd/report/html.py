@@ -6,7 +6,9 @@ a Content-Security-Policy lets the page load nothing and run nothing but its own
 string (answers, canary ids, stack values) is untrusted and escaped; the policy is the second line of
 defence should one ever slip through.
 
-What it shows, in order: the seed study's summary (answers, steps and questions that changed per pair of
+What it shows, in order: what moved, run by run (each run's canary verdicts: drift, within noise, new
+configurations, errors, and a lead line naming every run that is not comparable with the one before it, so
+the first screen says so), the seed study's summary (answers, steps and questions that changed per pair of
 runs, scores per suite per run, the serving configurations behind each run: the very numbers of
 ``canaryd diff --json``), each changed step's two answers token by token (first divergence marked, each
 token's Δ logprob as colour and on hover), a logprob and verdict history per changed canary with stack
@@ -115,6 +117,83 @@ Triple = tuple[LoadedRun, LoadedRun, PairDiff]  # run A, run B, B diffed against
 
 # -- sections ---------------------------------------------------------------------------------------
 
+# The verdict rows of "What moved", in the order an evaluator asks: did anything drift, was it noise,
+# did another server answer, did probes fail, and what stayed put.
+_QUIET = (Verdict.IDENTICAL, Verdict.BASELINE)
+_GROUPS = (
+    ("Drift", "drift", lambda v: v.is_drift),
+    ("Within noise", "noise", lambda v: v is Verdict.NOISE),
+    ("Learning its noise", "learning", lambda v: v is Verdict.LEARNING),
+    ("New serving configurations", "new-configuration", lambda v: v is Verdict.NEW_CONFIG),
+    ("Errors", "errors", lambda v: v is Verdict.ERROR),
+    ("Identical or baseline", "quiet", lambda v: v in _QUIET),
+)
+
+
+def _run_heads(runs: Sequence[LoadedRun]) -> str:
+    cells = (f'<th data-run="{r.run.run_id}">run {r.run.run_id}<br>{e(r.run.backend)}</th>' for r in runs)
+    return "".join(cells)
+
+
+def run_verdicts(run: LoadedRun) -> dict[str, Verdict]:
+    """Each canary's verdict in the run: the most severe over its steps (a chain's, a repeated id's)."""
+    steps: dict[str, list[str]] = {}
+    for row, _ in run.observations.values():
+        steps.setdefault(row.canary_id, []).append(row.verdict)
+    return {cid: Verdict.most_severe(vs) for cid, vs in sorted(steps.items())}
+
+
+def _counted(verdicts: Sequence[Verdict]) -> str:
+    counts: dict[Verdict, int] = {}
+    for v in verdicts:
+        counts[v] = counts.get(v, 0) + 1
+    return ", ".join(f"{n} {v.value}" for v, n in sorted(counts.items(), key=lambda kv: kv[0].rank))
+
+
+def _lead(run: LoadedRun, verdicts: dict[str, Verdict], first: bool) -> str | None:
+    """One sentence for a run that an evaluator must not compare blindly, None for a quiet one."""
+    n = len(verdicts)
+    drift = [v for v in verdicts.values() if v.is_drift]
+    new = sum(v is Verdict.NEW_CONFIG for v in verdicts.values())
+    errors = sum(v is Verdict.ERROR for v in verdicts.values())
+    parts = [f"{len(drift)} of {n} canaries drifted ({_counted(drift)})"] if drift else []
+    parts += [f"{new} of {n} answered by a serving configuration not seen before"] if new else []
+    parts += [f"{errors} of {n} failed and were not judged"] if errors else []
+    if not parts:
+        return None
+    against = "its baselines" if first else "the runs before it"
+    verdict = f"not comparable with {against}" if drift else "compare with care"
+    return f"Run {run.run.run_id} ({run.run.backend}): {'; '.join(parts)}: {verdict}."
+
+
+def verdict_section(runs: Sequence[LoadedRun]) -> str:
+    """What moved, first: the lead lines, then each run's canaries counted by verdict group."""
+    per_run = [run_verdicts(r) for r in runs]
+    leads = [
+        line for i, (r, v) in enumerate(zip(runs, per_run, strict=True)) if (line := _lead(r, v, i == 0))
+    ]
+    lead = (
+        "".join(f"<li>{e(line)}</li>" for line in leads)
+        if leads
+        else "<li>No run drifted: every canary was identical, within its noise, learning or a baseline.</li>"
+    )
+    head = _run_heads(runs)
+    rows = ""
+    for title, key, member in _GROUPS:
+        cells = ""
+        for r, verdicts in zip(runs, per_run, strict=True):
+            hit = [v for v in verdicts.values() if member(v)]
+            detail = f" ({_counted(hit)})" if hit and key in ("drift", "quiet") else ""
+            cells += (
+                f'<td class="n" data-run="{r.run.run_id}" data-verdicts="{key}" data-count="{len(hit)}" '
+                f'data-of="{len(verdicts)}">{len(hit)} / {len(verdicts)}{e(detail)}</td>'
+            )
+        rows += f"<tr><th>{title}</th>{cells}</tr>"
+    return (
+        f"<h2 id=moved>What moved</h2><ul id=lead>{lead}</ul>"
+        f"<table id=verdicts><tr><th>Canaries per run</th>{head}</tr>{rows}</table>"
+    )
+
 
 def _count_cell(pair: PairDiff, metric: str, c: dict) -> str:
     errors = f" ({c['errors']} errors)" if c["errors"] else ""
@@ -158,7 +237,7 @@ def summary_section(diffs: Sequence[PairDiff], runs: Sequence[LoadedRun]) -> str
     pair_table = f"<table id=pairs><tr><th>Between runs</th>{head}</tr>{body}</table>"
 
     sums = [r.run.summary() for r in runs]
-    rhead = "".join(f'<th data-run="{s["run_id"]}">run {s["run_id"]}<br>{e(s["backend"])}</th>' for s in sums)
+    rhead = _run_heads(runs)
     rrows = [
         ("Started (UTC)", "started", [iso(r.run.started_at) for r in runs]),
         ("Questions / steps", "size", [f"{s['questions']} / {s['steps']}" for s in sums]),
@@ -417,6 +496,7 @@ def render(
     title = f"canaryd report: runs {', '.join(map(str, order))}"
     body = (
         f"<h1>{e(title)}</h1><p class=muted>{e(store.url)}; canaryd {e(__version__)}</p>"
+        + verdict_section(runs)
         + summary_section(diffs, runs)
         + changes_section(triples)
         + history_section(store, runs, triples)

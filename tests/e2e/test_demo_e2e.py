@@ -1,12 +1,17 @@
 """The README's first command, `canaryd demo`, end to end: a tiny model trained on the spot, a real vLLM (CPU)
-server, probe → baseline → identical re-probe → silent bfloat16 restart → drift verdict, exit 0."""
+server, probe → baseline → identical re-probe → silent bfloat16 restart → drift verdict, exit 0. Its three
+runs' HTML report, opened in real Chromium, leads with the third run's drift."""
 
 import io
 import re
+import sqlite3
 import subprocess
 import sys
 
 import pytest
+
+from tests.e2e.test_report_chromium import chromium
+from tests.unit.test_html_report import Page
 
 pytestmark = pytest.mark.vllm
 
@@ -29,7 +34,27 @@ def test_demo_shows_the_whole_loop_and_exits_0(tmp_path):
     assert m, said[-2000:]
     baseline, identical, drift, total = map(int, m.groups())
     assert baseline == identical == total > 0 and 0 < drift <= total
-    assert (tmp_path / "demo" / "state" / "canaryd.db").exists()
+    db = tmp_path / "demo" / "state" / "canaryd.db"
+    runs = [str(r) for (r,) in sqlite3.connect(db).execute("select id from run order by id")]
+    assert len(runs) == 3
+
+    html = tmp_path / "report.html"
+    config = str(tmp_path / "demo" / "canaryd.toml")
+    made = subprocess.run(
+        [sys.executable, "-m", "canaryd", "-c", config, "report", *runs, "--out", str(html)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert made.returncode == 0, made.stderr[-2000:]
+    shown = chromium(html, tmp_path, "--dump-dom")
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    dom = Page(shown.stdout)
+    leads = [text for _, _, text in dom.find("li") if text.startswith("Run ")]
+    # the first screen: run 3 is named as not comparable, with the demo's own drift count
+    assert leads and leads[0].startswith(f"Run {runs[2]} (local-vllm): {drift} of {total} canaries drifted")
+    assert leads[0].endswith("not comparable with the runs before it.") and len(leads) == 1
+    assert shown.stdout.index("id=\"moved\"") < shown.stdout.index("id=\"summary\"")
 
 
 class _Terminal(io.StringIO):

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from canaryd.judge.compare import token_delta
+from canaryd.judge.verdicts import Verdict
 from canaryd.report.html import render, write_report
 from canaryd.report.rundiff import diff_pairs
 from tests.harness.scripted_lab import PLAIN, ScriptedLab, change, scripted
@@ -245,3 +246,30 @@ def test_render_without_changes(tmp_path: Path) -> None:
         assert p.find("svg")  # history is still shown for the first canaries
     finally:
         lab.close()
+
+
+def test_what_moved_leads_the_page_with_each_runs_verdicts(lab, page) -> None:
+    lab_, runs, _ = lab
+    html, p = page
+    assert html.index("id=moved") < html.index("id=summary")  # the first screen
+    drifted = {}
+    for rid in runs:
+        rows = lab_.store.load(lab_.store.ids_of_runs([rid]))
+        per: dict[str, list[str]] = {}
+        for row, _ in rows:
+            per.setdefault(row.canary_id, []).append(row.verdict)
+        worst = {c: Verdict.most_severe(v) for c, v in per.items()}
+        cells = {a["data-verdicts"]: a for _, a, _ in p.find("td", data_run=str(rid)) if "data-verdicts" in a}
+        assert sum(int(a["data-count"]) for a in cells.values()) == len(worst)  # each canary once
+        assert {int(a["data-of"]) for a in cells.values()} == {len(worst)}
+        assert int(cells["drift"]["data-count"]) == sum(v.is_drift for v in worst.values())
+        assert int(cells["errors"]["data-count"]) == sum(v is Verdict.ERROR for v in worst.values())
+        assert int(cells["new-configuration"]["data-count"]) == sum(
+            v is Verdict.NEW_CONFIG for v in worst.values()
+        )
+        drifted[rid] = sum(v.is_drift for v in worst.values())
+    assert drifted[runs[0]] == 0 and drifted[runs[1]] > 0  # the data set drifts at run 2
+    leads = [text for _, _, text in p.find("li") if text.startswith("Run ")]
+    assert leads[0].startswith(f"Run {runs[1]} (fake): {drifted[runs[1]]} of ")
+    assert "not comparable" in leads[0]
+    assert not any(t.startswith(f"Run {runs[0]} ") for t in leads)  # the baselines' run is quiet
