@@ -37,11 +37,12 @@ def check(
     from canaryd.progress import shown
     from canaryd.report.pin import load_pin
 
-    pinned = load_pin(pin) if pin is not None else None
+    if pin is not None:
+        load_pin(pin)  # a bad pin file is refused before anything is sent
     with shown("probing", "canaries", enabled=show_progress(as_json)):
-        from canaryd.probe.preflight import checked_pass
+        from canaryd.api import Canaryd
 
-        passed = checked_pass(load(ctx), backend, pinned, pin, max_configurations)
+        passed = Canaryd(load(ctx)).check(backend, pin=pin, max_configurations=max_configurations).passed
     from canaryd.report.console import show_pass
 
     show_pass(passed, as_json, console())

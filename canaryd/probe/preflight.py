@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import subprocess
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -270,6 +270,122 @@ class PreflightReport:
         return self.returncode if self.returncode >= 0 else 128 - self.returncode
 
 
+def begin(
+    config: Config,
+    pin: Pin | None,
+    pin_path: Path | None,
+    *,
+    backend: str | None = None,
+    max_configurations: int | None = None,
+) -> tuple[Config, PassCheck]:
+    """The gate a session opens with: probe (the pinned backends, with a pin) and check. When it passes,
+    its observations are kept as the session's evidence. The config comes back narrowed to what the
+    session watches, for `finish`."""
+    check_limit(max_configurations)
+    if pin is not None:
+        if pin_path is None:
+            raise ValueError("begin: a pin comes with its path")
+        config = pinned_config(config, pin, pin_path, backend)
+        pinned = _pinned_pass(config, backend, pin, pin_path)
+        checked = PassCheck(pinned.runs, pinned.pin, max_configurations)
+    else:
+        refuse_over_budget(config, backend)
+        checked = PassCheck(tuple(one_pass(config, only=backend)), None, max_configurations)
+    if checked.exit_code == EXIT_OK:
+        store = open_store(config)
+        try:
+            store.keep([r.observation_id for r in checked.results], "preflight")
+        finally:
+            store.close()
+    return config, checked
+
+
+def finish(
+    config: Config,
+    checked: PassCheck,
+    pin: Pin | None,
+    pin_path: Path | None,
+    out_dir: Path,
+    *,
+    backend: str | None = None,
+    post_check: bool = True,
+    started: datetime,
+    command: dict | None = None,
+    evaluation: Evaluation | None = None,
+) -> dict:
+    """The end of a session whose `begin` passed: probe again (with ``post_check``), record the session in
+    the store and write ``canaryd-record.json`` and ``.md`` into ``out_dir``; the record."""
+    finished = datetime.now(UTC)
+    after = _results(one_pass(config, only=backend)) if post_check else ()
+    runs = sorted(run.run_id for run in checked.runs if run.results)
+    where = "" if pin_path is None else str(pin_path)
+    ev = evaluation or Evaluation(harness=Path(command["argv"][0]).name if command else "")
+    store = open_store(config)
+    try:
+        store.keep([r.observation_id for r in after], "preflight")
+        post = None
+        if after:
+            post = summarize(build_record(store, sorted({r.run_id for r in after}), pin=pin, pin_path=where))
+        store.save_session(
+            started_at=started,
+            finished_at=finished,
+            harness=ev.harness,
+            task=ev.task,
+            samples=ev.samples,
+            configurations=ev.configurations,
+            runs_before=runs,
+            runs_after=sorted({r.run_id for r in after}),
+            held=None if post is None else bool(post["held"]),
+            out_dir=str(out_dir),
+        )
+        rec = build_record(store, runs, pin=pin, pin_path=where, version=__version__)  # with the session
+    finally:
+        store.close()
+    if command is not None:
+        rec["command"] = {
+            "argv": command["argv"],
+            "cwd": command["cwd"],
+            "started": _iso(started),
+            "finished": _iso(finished),
+            "exit_code": command["exit_code"],
+        }
+    if post is not None:
+        rec["post_run"] = post
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files.write_private(out_dir / "canaryd-record.json", json.dumps(rec, indent=2, ensure_ascii=False) + "\n")
+    files.write_private(out_dir / "canaryd-record.md", to_markdown(rec))
+    return rec
+
+
+@dataclass
+class Evaluation:
+    """What a harness ran in a session: its name, the task, and the serving configuration of each sample
+    (from what the provider returned with it: no extra request)."""
+
+    harness: str = ""
+    task: str = ""
+    configurations: dict[str, int] = field(default_factory=dict)  # configuration ("" unnamed) → samples
+
+    @property
+    def samples(self) -> int:
+        return sum(self.configurations.values())
+
+    def sample(self, configuration: str = "", n: int = 1) -> None:
+        self.configurations[configuration] = self.configurations.get(configuration, 0) + n
+
+    def as_dict(self) -> dict:
+        return {
+            "harness": self.harness,
+            "task": self.task,
+            "samples": self.samples,
+            "configurations": dict(sorted(self.configurations.items())),
+        }
+
+
+def _iso(t: datetime) -> str:
+    return t.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
 def run_preflight(
     config: Config,
     pin: Pin,
@@ -282,52 +398,34 @@ def run_preflight(
     on_checked: Callable[[PassCheck], None] | None = None,
     max_configurations: int | None = None,
 ) -> PreflightReport:
-    """Probe and check the pin; if nothing moved, keep the evidence, run ``command``, probe again (with
-    ``post_check``) and write ``canaryd-record.json`` and ``.md`` into ``out_dir``.
+    """Probe and check the pin; if nothing moved, run ``command`` as a session (`begin`, the command,
+    `finish`): probe again (with ``post_check``) and write the record into ``out_dir``.
 
     ``on_checked`` sees the first pass before the command starts (the CLI prints its tables there).
     """
-    check_limit(max_configurations)
-    config = pinned_config(config, pin, pin_path, backend)
-    pinned = _pinned_pass(config, backend, pin, pin_path)
-    checked = PassCheck(pinned.runs, pinned.pin, max_configurations)
+    config, checked = begin(config, pin, pin_path, backend=backend, max_configurations=max_configurations)
     if on_checked is not None:
         on_checked(checked)
     argv = tuple(command)
     if checked.exit_code != EXIT_OK:
         return PreflightReport(argv, checked, out_dir)
-    store = open_store(config)
-    try:
-        store.keep([r.observation_id for r in checked.results], "preflight")
-    finally:
-        store.close()
-    started = _now()
+    started = datetime.now(UTC)
     try:
         # the command creates its files as it would without canaryd (whose own umask is 0077: files.py)
         umask = files.original_umask if files.original_umask is not None else -1
         returncode = subprocess.run(list(argv), check=False, umask=umask).returncode
     except OSError as e:
         return PreflightReport(argv, checked, out_dir, start_error=str(e.strerror or e))
-    finished = _now()
-    after = _results(one_pass(config, only=backend)) if post_check else ()
-    store = open_store(config)
-    try:
-        store.keep([r.observation_id for r in after], "preflight")
-        runs = sorted(run.run_id for run in checked.runs if run.results)
-        rec = build_record(store, runs, pin=pin, pin_path=str(pin_path), version=__version__)
-        rec["command"] = {
-            "argv": list(argv),
-            "cwd": str(Path.cwd()),
-            "started": started,
-            "finished": finished,
-            "exit_code": returncode,
-        }
-        if after:
-            post = build_record(store, sorted({r.run_id for r in after}), pin=pin, pin_path=str(pin_path))
-            rec["post_run"] = summarize(post)
-    finally:
-        store.close()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    files.write_private(out_dir / "canaryd-record.json", json.dumps(rec, indent=2, ensure_ascii=False) + "\n")
-    files.write_private(out_dir / "canaryd-record.md", to_markdown(rec))
+    command_doc = {"argv": list(argv), "cwd": str(Path.cwd()), "exit_code": returncode}
+    rec = finish(
+        config,
+        checked,
+        pin,
+        pin_path,
+        out_dir,
+        backend=backend,
+        post_check=post_check,
+        started=started,
+        command=command_doc,
+    )
     return PreflightReport(argv, checked, out_dir, returncode, record=rec)

@@ -34,10 +34,10 @@ from canaryd.files import write_private
 from canaryd.judge.compare import token_delta
 from canaryd.judge.verdicts import Verdict
 from canaryd.observation import Observation, TokenLogprob
-from canaryd.report.record import build_record, iso, revert_rank, suggest, to_markdown
+from canaryd.report.record import build_record, iso, revert_rank, session_line, suggest, to_markdown
 from canaryd.report.rundiff import PairDiff, Run, diff_runs, step_output
 from canaryd.stack import FieldChange, diff, merge_stacks, split
-from canaryd.store import Store, StoredObservation
+from canaryd.store import EvalSession, Store, StoredObservation
 
 MAX_STEPS = 40  # changed steps shown token by token per pair (the counts above them stay complete)
 MAX_CHARTS = 12  # canaries given a history chart
@@ -166,8 +166,9 @@ def _lead(run: LoadedRun, verdicts: dict[str, Verdict], first: bool) -> str | No
     return f"Run {run.run.run_id} ({run.run.backend}): {'; '.join(parts)}: {verdict}."
 
 
-def verdict_section(runs: Sequence[LoadedRun]) -> str:
-    """What moved, first: the lead lines, then each run's canaries counted by verdict group."""
+def verdict_section(runs: Sequence[LoadedRun], sessions: Sequence[EvalSession] = ()) -> str:
+    """What moved, first: the lead lines, the evaluation sessions these runs checked, then each run's
+    canaries counted by verdict group."""
     per_run = [run_verdicts(r) for r in runs]
     leads = [
         line for i, (r, v) in enumerate(zip(runs, per_run, strict=True)) if (line := _lead(r, v, i == 0))
@@ -177,6 +178,7 @@ def verdict_section(runs: Sequence[LoadedRun]) -> str:
         if leads
         else "<li>No run drifted: every canary was identical, within its noise, learning or a baseline.</li>"
     )
+    lead += "".join(f"<li class=session>{_inline_md(session_line(x.as_dict()))}</li>" for x in sessions)
     head = _run_heads(runs)
     rows = ""
     for title, key, member in _GROUPS:
@@ -496,7 +498,7 @@ def render(
     title = f"canaryd report: runs {', '.join(map(str, order))}"
     body = (
         f"<h1>{e(title)}</h1><p class=muted>{e(store.url)}; canaryd {e(__version__)}</p>"
-        + verdict_section(runs)
+        + verdict_section(runs, store.sessions_of_runs(order))
         + summary_section(diffs, runs)
         + changes_section(triples)
         + history_section(store, runs, triples)

@@ -332,6 +332,8 @@ def build_record(
             for r in rows
         ],
         "changes": changes,
+        # the evaluation sessions these runs checked (`canaryd.api.Session`, preflight), oldest first
+        "sessions": [x.as_dict() for x in store.sessions_of_runs(run_ids)],
         "storage": {
             "database": store.url,
             "observation_ids": [r.id for r in rows],
@@ -391,6 +393,29 @@ def _recording_note(changes: list[dict] | None) -> str:
     return fields and f"; recorded differently by canaryd than at its baselines, not by the server: {fields}"
 
 
+def session_line(x: dict) -> str:
+    """One evaluation session in words: what ran, which configurations answered its samples, and whether
+    the stack held. More than one configuration, or a stack that moved, is said in bold."""
+    what = " ".join(filter(None, (x["harness"] and f"`{x['harness']}`", x["task"] and f"task `{x['task']}`")))
+    n = len(x["configurations"])
+    served = ", ".join(f"{c or '(unnamed)'}: {k}" for c, k in sorted(x["configurations"].items()))
+    mixed = (
+        f"**{n} serving configurations answered its samples** ({served})"
+        if n > 1
+        else (
+            f"one serving configuration answered them ({served})"
+            if n
+            else "no sample reported its configuration"
+        )
+    )
+    held = {None: "not checked after", True: "the stack held", False: "**the stack moved during it**"}
+    before, after = (", ".join(map(str, x[k])) or "none" for k in ("runs_before", "runs_after"))
+    return (
+        f"Evaluation session {x['id']} ({what or 'unnamed'}), {x['started_at']} to {x['finished_at']}: "
+        f"{x['samples']} samples; {mixed}; {held[x['held']]} (runs {before} before, {after} after)."
+    )
+
+
 def to_markdown(rec: dict) -> str:
     """The record for people: the five lines first, then the detail behind each."""
     s, st = rec["session"], rec["storage"]
@@ -434,6 +459,8 @@ def to_markdown(rec: dict) -> str:
         verdicts = ", ".join(f"{n} {v}" for v, n in sorted(p["verdicts"].items()))
         held = "the stack and canaries held" if p["held"] else "**something moved during the command**"
         lines.append(f"After it, canaries again (runs {', '.join(map(str, p['runs']))}): {verdicts}: {held}.")
+    for x in rec.get("sessions", ()):
+        lines += ["", session_line(x)]
     for b, v in rec["stack"].items():
         lines += ["", f"## 1. Stack of `{b}`", "", *_table(("field", "value"), sorted(v["fields"].items()))]
     lines += [

@@ -39,6 +39,7 @@ from canaryd.store.records import (
     Baseline,
     ComparisonLike,
     DetectorDoc,
+    EvalSession,
     NoiseModelLike,
     Reads,
     RunInfo,
@@ -46,6 +47,7 @@ from canaryd.store.records import (
     StackSeen,
     StoredObservation,
 )
+from canaryd.store.sessions import Sessions
 from canaryd.store.writes import Writes
 
 __all__ = [
@@ -53,6 +55,7 @@ __all__ = [
     "Baseline",
     "ComparisonLike",
     "DetectorDoc",
+    "EvalSession",
     "NoiseModelLike",
     "Reads",
     "RunInfo",
@@ -72,7 +75,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger("canaryd.store")
 
 
-class Store(Writes, Baselines, Maintenance, Queries, Leases):
+class Store(Writes, Baselines, Maintenance, Queries, Leases, Sessions):
     """All reads and writes of the history. One instance per process; thread-safe (a session per call).
 
     Several processes may share one database (a fleet of daemons on PostgreSQL, or the daemon and the CLI on

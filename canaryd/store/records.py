@@ -220,3 +220,28 @@ def detector_start() -> DetectorDoc:
     """A backend's detector before its first cycle (and after a calibration restarts it): as
     ``DetectorState()``, which tests/unit/test_store.py checks."""
     return {"statistic": 1.0, "cycles": 0, "alarm": False, "pending": []}
+
+
+@dataclass(frozen=True, slots=True)
+class EvalSession:
+    """An evaluation run under canaryd (``canaryd.api.Session``, ``preflight``): what ran between the runs
+    that checked the stack before and after, and which serving configurations answered its samples."""
+
+    id: int
+    started_at: datetime
+    finished_at: datetime | None
+    harness: str
+    task: str
+    samples: int
+    configurations: dict[str, int]  # serving configuration ("" when unnamed) → samples it answered
+    runs_before: tuple[int, ...]
+    runs_after: tuple[int, ...]
+    held: bool | None
+    out_dir: str
+
+    def as_dict(self) -> dict:
+        doc = {f.name: getattr(self, f.name) for f in fields(self)}
+        doc["started_at"] = _json_time(self.started_at)
+        doc["finished_at"] = None if self.finished_at is None else _json_time(self.finished_at)
+        doc["runs_before"], doc["runs_after"] = list(self.runs_before), list(self.runs_after)
+        return doc

@@ -23,6 +23,8 @@ Layout, chosen so that storage grows with change rather than with time:
 * ``calibration``: the noise model ``baseline calibrate`` learned per backend × canary × configuration.
 * ``detector``: each backend's e-CUSUM statistic and alarm, carried across cycles and restarts.
 * ``lease``: which daemon of a PostgreSQL fleet runs each backend's schedules, until when (``leases``).
+* ``eval_session``: an evaluation run under canaryd (`canaryd.api.Session`, ``preflight``): the harness,
+  task and samples, the serving configurations that answered them, and the runs before and after.
 """
 
 from __future__ import annotations
@@ -170,6 +172,23 @@ class KeepRow(SQLModel, table=True):
     observation_id: int = Field(primary_key=True, foreign_key="event.id")
     reason: str = Field(primary_key=True)  # pin, preflight, record
     at: datetime
+
+
+class EvalSessionRow(SQLModel, table=True):
+    """An evaluation session: what a harness ran between the runs that checked the stack before and after."""
+
+    __tablename__ = "eval_session"
+    id: int | None = Field(default=None, primary_key=True)
+    started_at: datetime
+    finished_at: datetime | None = None
+    harness: str = ""  # inspect, lm-eval, a command's argv[0], or what the caller names
+    task: str = ""
+    samples: int = 0
+    configurations: dict = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))  # id → n
+    runs_before: list = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
+    runs_after: list = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
+    held: bool | None = None  # the stack and canaries held to the end (None: not checked after)
+    out_dir: str = ""
 
 
 class CalibrationRow(SQLModel, table=True):
