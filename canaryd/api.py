@@ -208,6 +208,7 @@ class Session:
         self._owner, self._pin_path, self.out_dir, self.backend = owner, pin, out_dir, backend
         self._post_check, self._max = post_check, max_configurations
         self.evaluation: Evaluation = Evaluation(harness, task)
+        self.record_name = "canaryd-record"  # the record's files in out_dir: <record_name>.json and .md
         self.before: Check | None = None
         self.record: dict | None = None
         self._config: Config | None = None
@@ -253,6 +254,7 @@ class Session:
             post_check=self._post_check,
             started=self._started,
             evaluation=self.evaluation,
+            name=self.record_name,
         )
 
     @property

@@ -312,9 +312,10 @@ def finish(
     started: datetime,
     command: dict | None = None,
     evaluation: Evaluation | None = None,
+    name: str = "canaryd-record",
 ) -> dict:
     """The end of a session whose `begin` passed: probe again (with ``post_check``), record the session in
-    the store and write ``canaryd-record.json`` and ``.md`` into ``out_dir``; the record."""
+    the store and write ``<name>.json`` and ``.md`` into ``out_dir``; the record."""
     finished = datetime.now(UTC)
     after = _results(one_pass(config, only=backend)) if post_check else ()
     runs = sorted(run.run_id for run in checked.runs if run.results)
@@ -352,8 +353,8 @@ def finish(
     if post is not None:
         rec["post_run"] = post
     out_dir.mkdir(parents=True, exist_ok=True)
-    files.write_private(out_dir / "canaryd-record.json", json.dumps(rec, indent=2, ensure_ascii=False) + "\n")
-    files.write_private(out_dir / "canaryd-record.md", to_markdown(rec))
+    files.write_private(out_dir / f"{name}.json", json.dumps(rec, indent=2, ensure_ascii=False) + "\n")
+    files.write_private(out_dir / f"{name}.md", to_markdown(rec))
     return rec
 
 

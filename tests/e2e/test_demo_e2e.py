@@ -54,7 +54,7 @@ def test_demo_shows_the_whole_loop_and_exits_0(tmp_path):
     # the first screen: run 3 is named as not comparable, with the demo's own drift count
     assert leads and leads[0].startswith(f"Run {runs[2]} (local-vllm): {drift} of {total} canaries drifted")
     assert leads[0].endswith("not comparable with the runs before it.") and len(leads) == 1
-    assert shown.stdout.index("id=\"moved\"") < shown.stdout.index("id=\"summary\"")
+    assert shown.stdout.index('id="moved"') < shown.stdout.index('id="summary"')
 
 
 class _Terminal(io.StringIO):

@@ -1,0 +1,1 @@
+"""Adapters that put canaryd inside the evaluation harnesses people run (Inspect AI)."""
