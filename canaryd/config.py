@@ -123,6 +123,8 @@ class DaemonConfig(Strict):
     # Recorded with every run, so daemons sharing one database can be told apart (default: hostname).
     instance: Annotated[str | None, Field(pattern=ID_PATTERN)] = None
     fingerprint_window: Duration = 3600.0  # distinct fingerprints are counted over this window
+    # TLS and basic auth for the listener: a Prometheus exporter-toolkit web config file (docs/daemon.md).
+    web_config: Path | None = None
 
     @field_validator("listen")
     @classmethod
@@ -263,10 +265,12 @@ def load_config(path: Path) -> Config:
         raise InputError(f"{path}: backends: at least one [[backends]] entry is required")
     if not cfg.suites:
         raise InputError(f"{path}: suites: at least one canary file is required")
+    web = cfg.daemon.web_config
     return cfg.model_copy(
         update={
             "state_dir": _resolve(base, cfg.state_dir),
             "suites": tuple(s.model_copy(update={"path": _resolve(base, s.path)}) for s in cfg.suites),
+            "daemon": cfg.daemon.model_copy(update={"web_config": web and _resolve(base, web)}),
         }
     )
 

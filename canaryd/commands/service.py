@@ -35,6 +35,10 @@ def validate(ctx: typer.Context, as_json: JsonFlag = False) -> None:
     from canaryd.canaries import load_suites, risky_patterns
 
     cfg = load(ctx)
+    if cfg.daemon.web_config is not None:
+        from canaryd.daemon.webconfig import load_web_config
+
+        load_web_config(cfg.daemon.web_config)  # the listener's TLS and users, as `run` will read them
     suites = load_suites([s.path for s in cfg.suites], cfg.limits.suite_bytes)
     if (why := without_completions(cfg, suites) or cannot_score(cfg, suites)) is not None:
         raise InputError(why)

@@ -18,7 +18,11 @@ prometheus_client's ``start_http_server`` starts a thread per connection and nev
   ``Retry-After``) at once; a response must be sent within ``timeout_s`` too, so a client that stops
   reading cannot hold a handler;
 * one request per connection (HTTP/1.0 semantics, as prometheus_client's server), so no kept-alive
-  connection holds anything between scrapes.
+  connection holds anything between scrapes;
+* with a web configuration (`canaryd.daemon.webconfig`: TLS, client certificates, basic auth), the
+  watcher also runs each connection's TLS handshake without blocking, inside the same ``timeout_s``, and
+  a handler answers ``401`` before anything else to a request without valid credentials. Each kind of
+  refusal (plain HTTP to the TLS port, no client certificate, a wrong password …) is logged once.
 
 The interface is ``http.server``'s: serve with ``serve_forever()`` (in a thread of its own), stop with
 ``shutdown()``, which here also closes the listening socket and every waiting connection.
@@ -35,6 +39,7 @@ import resource
 import selectors
 import socket
 import socketserver
+import ssl
 import threading
 import time
 from collections import deque
@@ -47,6 +52,8 @@ from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
+
+from canaryd.daemon.webconfig import Refusals, WebConfig, handshake_refusal
 
 MAX_HANDLERS = 8  # requests answered at once; a scrape takes milliseconds
 MAX_QUEUED = 256  # complete requests waiting for a handler; more get 503 at once
@@ -62,6 +69,7 @@ INDEX = b"""<!doctype html>
 _END = b"Content-Length: 0\r\nConnection: close\r\n\r\n"
 _BUSY = b"HTTP/1.0 503 Service Unavailable\r\nRetry-After: 1\r\n" + _END
 _TOO_LARGE = b"HTTP/1.0 431 Request Header Fields Too Large\r\n" + _END
+_UNAUTHORIZED = b'HTTP/1.0 401 Unauthorized\r\nWWW-Authenticate: Basic realm="canaryd"\r\n' + _END
 
 
 class Exposition(Protocol):
@@ -135,6 +143,7 @@ class _Waiting:
     address: tuple
     deadline: float
     head: bytearray = field(default_factory=bytearray)
+    handshaking: bool = False  # a TLS connection whose handshake has not completed
 
 
 class MetricsServer(ThreadingHTTPServer):
@@ -153,6 +162,7 @@ class MetricsServer(ThreadingHTTPServer):
         max_queued: int = MAX_QUEUED,
         max_waiting: int = MAX_WAITING,
         timeout_s: float = TIMEOUT_S,
+        web: WebConfig | None = None,
     ) -> None:
         host, port = address
         # IPv6 listen addresses work too (``[::1]:9464``); raises OSError (socket.gaierror) for a bad host.
@@ -161,6 +171,7 @@ class MetricsServer(ThreadingHTTPServer):
         markdown = runbook_markdown()
         self.runbook_md, self.runbook_html = markdown, runbook_html(markdown.decode("utf-8", "replace"))
         self.timeout_s = timeout_s
+        self.web, self.refusals = web, Refusals()
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
         self.max_waiting = max(8, min(max_waiting, (soft // 2) if soft > 0 else max_waiting))
         self.max_handlers, self.max_queued = max_handlers, max_queued
@@ -226,14 +237,25 @@ class MetricsServer(ThreadingHTTPServer):
             while len(self._waiting) >= self.max_waiting:  # make room: the longest-waiting goes
                 self._drop(min(self._waiting, key=lambda c: self._waiting[c].deadline))
             conn.setblocking(False)
-            self._waiting[conn] = _Waiting(address, time.monotonic() + self.timeout_s)
+            tls = self.web is not None and self.web.tls is not None
+            if tls:
+                try:
+                    conn = self.web.tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+                except OSError:
+                    self._close(conn)
+                    continue
+            self._waiting[conn] = _Waiting(address, time.monotonic() + self.timeout_s, handshaking=tls)
             self._selector.register(conn, selectors.EVENT_READ)
 
     def _read(self, conn: socket.socket) -> None:
         waiting = self._waiting[conn]
+        if waiting.handshaking and not self._shake(conn, waiting):
+            return
         try:
             data = conn.recv(4096)
-        except (BlockingIOError, InterruptedError):
+            while isinstance(conn, ssl.SSLSocket) and conn.pending() and len(data) <= MAX_HEAD:
+                data += conn.recv(4096)  # decrypted bytes the selector cannot see
+        except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
             return
         except OSError:
             data = b""
@@ -270,6 +292,28 @@ class MetricsServer(ThreadingHTTPServer):
             self._close(conn)
             raise
 
+    def _shake(self, conn: socket.socket, waiting: _Waiting) -> bool:
+        """One step of a TLS handshake; True once it is done. A failed one is a refusal, logged once."""
+        try:
+            conn.do_handshake()  # type: ignore[attr-defined]
+        except ssl.SSLWantWriteError:
+            self._selector.modify(conn, selectors.EVENT_READ | selectors.EVENT_WRITE)
+            return False
+        except ssl.SSLWantReadError:
+            self._selector.modify(conn, selectors.EVENT_READ)
+            return False
+        except ssl.SSLError as e:
+            if not isinstance(e, ssl.SSLEOFError):  # EOF: a port check, or a client that gave up
+                self.refusals.refused(handshake_refusal(e), waiting.address[0])
+            self._drop(conn)
+            return False
+        except OSError:  # the client went away mid-handshake
+            self._drop(conn)
+            return False
+        waiting.handshaking = False
+        self._selector.modify(conn, selectors.EVENT_READ)
+        return True
+
     def _drop(self, conn: socket.socket) -> None:
         with contextlib.suppress(KeyError, ValueError):
             self._selector.unregister(conn)
@@ -305,6 +349,11 @@ class MetricsServer(ThreadingHTTPServer):
     def _answer(self, conn: socket.socket, head: bytes, address: tuple) -> None:
         try:
             conn.setblocking(True)
+            if self.web is not None and (why := self.web.authorize(_authorization(head))) is not None:
+                self.refusals.refused(why, address[0])
+                conn.settimeout(self.timeout_s)
+                conn.sendall(_UNAUTHORIZED)
+                return
             self.finish_request((conn, head), address)  # type: ignore[arg-type]
         except Exception:
             pass  # a client that vanished or stopped reading; nothing to tell anyone
@@ -341,6 +390,16 @@ class MetricsServer(ThreadingHTTPServer):
         self._selector.close()
         self._wake_r.close()
         self._wake_w.close()
+
+
+def _authorization(head: bytes) -> str | None:
+    """The request head's Authorization header (the last one, as http.client would read it)."""
+    found = None
+    for line in head.split(b"\n")[1:]:
+        name, sep, value = line.partition(b":")
+        if sep and name.strip().lower() == b"authorization":
+            found = value.strip().decode("latin-1")
+    return found
 
 
 def _head_end(data: bytearray) -> int | None:

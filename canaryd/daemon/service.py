@@ -45,6 +45,7 @@ from canaryd.daemon.generation import Generation
 from canaryd.daemon.httpserver import MetricsServer
 from canaryd.daemon.metrics import Metrics
 from canaryd.daemon.tenure import Tenure
+from canaryd.daemon.webconfig import load_web_config
 from canaryd.errors import InputError
 from canaryd.probe.budget import over_budget
 from canaryd.probe.run import BackendRun, run_pass
@@ -290,8 +291,10 @@ class Daemon:
     def start(self) -> None:
         """Listen, schedule, then READY. An address that cannot be listened on is a config error (exit 2)."""
         host, port = self.config.daemon.host_port
+        web = self.config.daemon.web_config
+        web = None if web is None else load_web_config(web)  # InputError (exit 2) naming the file and key
         try:
-            self.httpd = MetricsServer((host, port), self.metrics)
+            self.httpd = MetricsServer((host, port), self.metrics, web=web)
         except OSError as e:
             why = e.strerror or str(e)
             raise InputError(
@@ -302,7 +305,11 @@ class Daemon:
         self._restore_last_probes()
         self.scheduler.start()
         log.info(
-            "started", listen=self.config.daemon.listen, schedules=[s.name for s in self.config.schedules]
+            "started",
+            listen=self.config.daemon.listen,
+            tls=web is not None and web.tls is not None,
+            basic_auth=web is not None and bool(web.users),
+            schedules=[s.name for s in self.config.schedules],
         )
         sdnotify.notify("READY=1", f"STATUS=probing {len(self.config.backends)} backend(s)")
 
