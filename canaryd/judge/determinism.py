@@ -73,7 +73,9 @@ def declared(stack: Mapping[str, str]) -> Mode | None:
     if _on(v := stack.get(VLLM_FIELD, "")):
         return Mode("vLLM batch invariance", VLLM_FIELD, v, VLLM_GAPS)
     if stack.get(SGLANG_FIELD, "") == "true":
-        return Mode("SGLang deterministic inference", SGLANG_FIELD, "true", SGLANG_GAPS)
+        tp = stack.get("engine.tp_size")
+        gaps = SGLANG_GAPS + (f"; this server runs tp_size {tp}" if tp else "")
+        return Mode("SGLang deterministic inference", SGLANG_FIELD, "true", gaps)
     return None
 
 
