@@ -9,6 +9,8 @@ applies, and the dashboard shows the most severe one when several canaryd instan
 ``new-configuration`` ranks below the drift verdicts (it is no evidence of change: a fleet grew, or a
 router found another provider) and above the quiet ones: a configuration nobody had seen is worth a look.
 ``learning`` ranks below it: a canary still learning its noise (``[compare] learn``) that moved.
+``determinism-broken`` ranks below the wrong-answer verdicts and above the other drift verdicts: a backend
+that declares itself exact and is not breaks the promise its users rely on (`canaryd.judge.determinism`).
 
 Everything else reads this table: ``compare.py`` and ``sampled.py`` (the rules), ``report/tables.py``
 (colours), ``grafana/build_dashboard.py`` (codes, colours, the drift set), the metrics (one series per
@@ -44,6 +46,10 @@ class Verdict(enum.StrEnum):
     REFERENCE_MISMATCH = ("reference-mismatch", True, "bold red", "dark-orange",
                      "the backend's reference (the weights it claims, e.g. a local vLLM) scores its answers "
                      "further from its own choices than the reference's own noise allows")
+    DETERMINISM_BROKEN = ("determinism-broken", True, "bold yellow", "dark-yellow",
+                     "the stack declares a deterministic mode (vLLM batch invariance, SGLang deterministic "
+                     "inference), but this canary's answers are not bit-identical: its first-contact probes "
+                     "differ, or an answer left its exact model")
     ANSWER_DRIFT  = ("answer-drift",  True,  "red",      "orange",
                      "the generated tokens differ from the baseline's")
     LOGPROB_DRIFT = ("logprob-drift", True,  "yellow",   "yellow",

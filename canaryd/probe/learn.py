@@ -22,6 +22,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from canaryd import progress
+from canaryd.judge import determinism
 from canaryd.judge.learning import (
     MIN_FIT,
     SHIFT_ALPHA,
@@ -134,6 +135,8 @@ def _first(
             store.save_calibration(backend, own.canary_id, model, configuration, restart_detector=False)
             return "exact"
         state = replace(state, refused=f"exact at first contact, but {problem}")
+    elif (mode := determinism.declared(own.stack)) is not None:  # declared exact: a finding, not learning
+        state = replace(state, refused=determinism.not_learned(mode))
     store.save_learning(backend, own.canary_id, configuration, own.request_hash, state.k, state.as_dict())
     return "refused" if state.refused else "learning"
 

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from canaryd.canaries import Canary, CheckTimeout, Expect
 from canaryd.conform import SIDES
+from canaryd.judge import determinism
 from canaryd.judge.compare import Comparison, Verdict, basis_of, compare, new_configuration
 from canaryd.judge.conformance import judge_pair, tool_call_verdict
 from canaryd.judge.learning import Learning, hold, is_learning
@@ -85,9 +86,10 @@ def _compare(store: Reads, settings: CompareConfig, obs: Observation, expect: Ex
         _timed_out(obs, e)
     configuration = configuration_of(obs.stack)  # each serving configuration has its own baseline
     base = store.baseline(obs.backend, obs.canary_id, configuration)
-    if base is None and obs.ok and (others := store.baselines(obs.backend, obs.canary_id)):
-        return _first_of_configuration(settings, obs, correct, configuration, others)
     doc = store.calibration(obs.backend, obs.canary_id, configuration)
+    if base is None and obs.ok and (others := store.baselines(obs.backend, obs.canary_id)):
+        first = _first_of_configuration(settings, obs, correct, configuration, others)
+        return replace(first, comparison=determinism.watch(first.comparison, obs, doc))
     learning, state = settings.learn, None
     try:
         if is_learning(doc):
@@ -116,6 +118,7 @@ def _compare(store: Reads, settings: CompareConfig, obs: Observation, expect: Ex
         comparison = replace(comparison, reasons=(*comparison.reasons, refused))
     if why is not None and obs.ok:
         comparison = replace(comparison, reasons=(why, *comparison.reasons))
+    comparison = determinism.watch(comparison, obs, doc)
     return Judged(obs, comparison, base.observation_id if base else None)
 
 

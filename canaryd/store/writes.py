@@ -36,6 +36,8 @@ from canaryd.store.schema import (
 # Verdicts whose observation becomes its configuration's baseline: the first one, and the first of a
 # configuration new to a canary that has baselines under others.
 FIRST_OF_CONFIGURATION = ("baseline", "new-configuration")
+# a verdict given whether or not a baseline existed: becomes one only where none did (of its request)
+DETERMINISM_BROKEN = "determinism-broken"
 
 
 Written = tuple[Observation, ComparisonLike, "int | None"]  # what `Writes.record` takes per observation
@@ -188,6 +190,8 @@ class Writes(Connected):
         event_id = s.connection().execute(_EVENT, event).inserted_primary_key[0]
         if verdict in FIRST_OF_CONFIGURATION:
             first_baseline(s, obs, event_id, baseline_id)
+        elif verdict == DETERMINISM_BROKEN and obs.ok:  # found at first contact: maybe the first answer
+            first_baseline(s, obs, event_id, None)
         return event_id
 
     @staticmethod

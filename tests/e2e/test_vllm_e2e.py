@@ -1,4 +1,5 @@
-"""End to end against a real vLLM (CPU) server serving a tiny model: the gate's exit codes and verdicts.
+"""End to end against a real vLLM (CPU) server serving a tiny model: the gate's exit codes and verdicts,
+with the default config (learning on, no calibration step: first contact finds the engine exact).
 
 The steps run in order on one history, like an operator's week: server down, baseline, unchanged
 restart, weights silently swapped (int8 round trip), dtype silently changed, baseline accepted.
@@ -105,6 +106,10 @@ def test_baseline_then_unchanged_probe_is_identical(lab, tiny_model):
         first = lab.cli("probe", "--json")
         assert first.returncode == 0, first.stderr
         assert set(verdicts(json.loads(first.stdout)).values()) == {"baseline"}
+        # the default config learns; first contact finds vLLM on CPU exact: an exact model for every canary
+        # of both backends at once, no learning window
+        regimes = lab.db().execute("select backend, canary_id, regime from calibration").fetchall()
+        assert len(regimes) == 8 and {r for _, _, r in regimes} == {"exact"}, regimes
         code, report = lab.check()
         assert code == 0, report
         assert set(verdicts(report).values()) == {"identical"}
@@ -157,6 +162,8 @@ def test_bf16_restart_is_detected_and_the_fingerprint_diff_names_it(lab, tiny_mo
         assert code == 1
         local = [r for r in report["results"] if r["backend"] == "local"]
         assert all(r["verdict"] in ("logprob-drift", "answer-drift") for r in local), local
+        # caught on its first probe by the exact model first contact learned (no calibrate step)
+        assert {r["evidence"]["method"] for r in local} == {"exact"}, local
         assert all(r["fingerprint_changed"] for r in local)
         changed = {c["field"] for r in local for c in r["stack_changes"]}
         assert "response.system_fingerprint" in changed

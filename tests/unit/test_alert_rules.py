@@ -45,6 +45,7 @@ FAST_ALERTS = {
     "CanarydRegression",
     "CanarydReferenceMismatch",
     "CanarydAnswerChanged",
+    "CanarydDeterminismBroken",
     "CanarydLogprobDrift",
     "CanarydStackChanged",
     "CanarydFingerprintChurn",
@@ -83,6 +84,7 @@ def test_required_alerts_present() -> None:
     required = {
         "CanarydAnswerChanged",
         "CanarydRegression",
+        "CanarydDeterminismBroken",
         "CanarydLogprobDrift",
         "CanarydStackChanged",
         "CanarydFingerprintChurn",
