@@ -243,6 +243,7 @@ class PreflightReport:
     returncode: int | None = None  # None: the command was not started
     start_error: str | None = None  # why the command could not be started
     record: dict | None = None  # the reproducibility record written to out_dir (when the command ran)
+    name: str = "canaryd-record"  # its files: <name>.md and .json
 
     @property
     def refused(self) -> bool:
@@ -257,7 +258,7 @@ class PreflightReport:
 
     @property
     def record_path(self) -> Path:
-        return self.out_dir / "canaryd-record.md"
+        return self.out_dir / f"{self.name}.md"
 
     @property
     def exit_code(self) -> int:
@@ -349,6 +350,7 @@ def finish(
             "started": _iso(started),
             "finished": _iso(finished),
             "exit_code": command["exit_code"],
+            **({"results": command["results"]} if "results" in command else {}),
         }
     if post is not None:
         rec["post_run"] = post
@@ -411,6 +413,8 @@ def run_preflight(
     if checked.exit_code != EXIT_OK:
         return PreflightReport(argv, checked, out_dir)
     started = datetime.now(UTC)
+    from canaryd.harnesses.lm_eval import read_results, written_since
+
     try:
         # the command creates its files as it would without canaryd (whose own umask is 0077: files.py)
         umask = files.original_umask if files.original_umask is not None else -1
@@ -418,15 +422,26 @@ def run_preflight(
     except OSError as e:
         return PreflightReport(argv, checked, out_dir, start_error=str(e.strerror or e))
     command_doc = {"argv": list(argv), "cwd": str(Path.cwd()), "exit_code": returncode}
+    # an lm-eval run's results file: the record goes beside it, named after it, and cites it
+    found = [r for p in written_since(out_dir, started.timestamp() - 1) if (r := read_results(p))]
+    results = found[-1] if found else None
+    if results is not None:
+        command_doc["results"] = results.as_dict()
     rec = finish(
         config,
         checked,
         pin,
         pin_path,
-        out_dir,
+        results.path.parent if results else out_dir,
         backend=backend,
         post_check=post_check,
         started=started,
         command=command_doc,
+        # lm-eval keeps the answers' text, not the replies that named a configuration: samples unnamed
+        evaluation=Evaluation("lm-eval", ",".join(results.tasks), {"": results.samples}) if results else None,
+        name=f"{results.path.stem}.canaryd-record" if results else "canaryd-record",
     )
-    return PreflightReport(argv, checked, out_dir, returncode, record=rec)
+    if results is None:
+        return PreflightReport(argv, checked, out_dir, returncode, record=rec)
+    name = f"{results.path.stem}.canaryd-record"
+    return PreflightReport(argv, checked, results.path.parent, returncode, record=rec, name=name)

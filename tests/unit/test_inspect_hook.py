@@ -1,5 +1,5 @@
 """The Inspect AI hook's own rules (the whole hook runs in a real `inspect eval` in
-tests/e2e/test_inspect_hook.py): it is installed through the ``inspect_ai`` entry point, silent unless
+tests/e2e/test_harnesses_vllm.py): it is installed through the ``inspect_ai`` entry point, silent unless
 ``CANARYD_CONFIG`` is set, finds the backend by base URL and model, and reads each sample's serving
 configuration from the replies in its model events."""
 

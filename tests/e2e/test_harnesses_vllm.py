@@ -1,7 +1,8 @@
-"""A real `inspect eval` of a tiny task (tests/fixtures/inspect/arith.py, 20 samples) with canaryd's hook,
-installed through the ``inspect_ai`` entry point, against real vLLM CPU servers behind a balancer whose
-pool the test sets: one float32 server, then one bfloat16, then both. Nothing between Inspect and canaryd
-is mocked.
+"""The evaluation harnesses under canaryd, against real vLLM CPU servers (float32 and bfloat16, the same
+tiny weights) behind a balancer whose pool each test sets. Nothing between a harness and canaryd is mocked.
+
+A real `inspect eval` of a tiny task (tests/fixtures/inspect/arith.py, 20 samples) with canaryd's hook,
+installed through the ``inspect_ai`` entry point:
 
 * hook off (no ``CANARYD_CONFIG``): the log has no canaryd metadata and no record is written;
 * the unchanged stack: the log's ``eval.metadata["canaryd"]`` names the stack, the pin matches, the stack
@@ -9,6 +10,9 @@ is mocked.
 * a dtype switch between the pin and the run: the task ends as an error before any sample is sent,
   its error saying canaryd refused it;
 * both servers: the metadata names two configurations with their sample counts, and a warning.
+
+A real `lm_eval run` (``local-completions``) of a tiny local task under ``canaryd preflight``: the record
+lies beside lm-eval's results file and cites it and its task hashes; a moved stack refuses the run.
 """
 
 from __future__ import annotations
@@ -132,3 +136,82 @@ def test_the_hook_records_the_stack_refuses_a_moved_one_and_names_a_mixed_fleet(
     meta = mixed.eval.metadata["canaryd"]
     assert len(meta["configurations"]) == 2 and sum(meta["configurations"].values()) == 20
     assert "2 serving configurations answered the samples" in meta["warning"]
+
+
+LM_TASK = """task: tiny_arith
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 6
+  do_sample: false
+metric_list:
+  - metric: exact_match
+"""
+
+
+def lm_eval(lab: Lab, lb: Balancer, pin: Path, out: Path, tasks: Path) -> subprocess.CompletedProcess:
+    """`canaryd preflight` around `lm_eval run`, as docs/harnesses.md shows it."""
+    args = f"base_url=http://127.0.0.1:{lb.port}/v1/completions,model=tiny,tokenizer_backend=None,"
+    args += "tokenized_requests=False,num_concurrent=2"
+    command = [
+        str(Path(sys.executable).with_name("lm_eval")),
+        "run",
+        "--model",
+        "local-completions",
+        "--model_args",
+        args,
+        "--tasks",
+        "tiny_arith",
+        "--include_path",
+        str(tasks),
+        "--output_path",
+        str(out),
+        "--log_samples",  # lm-eval computes its task hashes from the samples it logs
+    ]
+    env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(lab.root / "hf")}
+    return lab.cli("preflight", "--pin", str(pin), "--out", str(out), "--", *command, env=env)
+
+
+def test_lm_eval_under_preflight_records_beside_its_results_and_a_moved_stack_refuses_it(bed, tmp_path):
+    lab, lb, fp32, bf16 = bed
+    lb.set_pool({fp32.port: 1.0})
+    assert lab.json("check")[0] == 0
+    pin = tmp_path / "stack.pin.json"
+    assert lab.cli("pin", "--out", str(pin)).returncode == 0
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    data = tasks / "tiny_arith.jsonl"
+    data.write_text(
+        "".join(json.dumps({"question": f"{i} + {i}", "answer": str(2 * i)}) + "\n" for i in range(5))
+    )
+    (tasks / "tiny_arith.yaml").write_text(LM_TASK.format(data=data))
+
+    ran = lm_eval(lab, lb, pin, tmp_path / "out", tasks)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    [results] = (tmp_path / "out").rglob("results_*.json")
+    record_file = results.with_name(f"{results.stem}.canaryd-record.json")
+    record = json.loads(record_file.read_text())
+    cited = record["command"]["results"]
+    doc = json.loads(results.read_text())
+    assert cited["results"] == str(results) and cited["task_hashes"] == doc["task_hashes"] != {}
+    assert cited["tasks"] == ["tiny_arith"] and cited["samples"] == 5
+    session = record["sessions"][-1]
+    assert (session["harness"], session["task"], session["samples"], session["held"]) == (
+        "lm-eval",
+        "tiny_arith",
+        5,
+        True,
+    )
+    assert results.with_name(f"{results.stem}.canaryd-record.md").is_file()
+
+    lb.set_pool({bf16.port: 1.0})  # the stack moved since the pin
+    refused = lm_eval(lab, lb, pin, tmp_path / "refused", tasks)
+    assert refused.returncode == 1, refused.stderr[-3000:]
+    assert not (tmp_path / "refused").exists() or not list((tmp_path / "refused").rglob("results_*.json"))
