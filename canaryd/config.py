@@ -62,6 +62,12 @@ class CompareConfig(Strict):
     learn_first: Annotated[int, Field(ge=2, le=100)] = 4
     learn_per_pass: Annotated[int, Field(ge=0, le=100)] = 2
     learn_max_passes: Annotated[int, Field(ge=2, le=100_000)] = 30
+    # Calibration that lives (docs/detection.md): a canary out of its noise whose logprobs kept their
+    # location gets ``refit_probes`` more probes, added to its model when they keep it too; no refit widens
+    # the threshold beyond ``refit_cap`` times the first model's.
+    refit: bool = True
+    refit_probes: Annotated[int, Field(ge=1, le=100)] = 3
+    refit_cap: Annotated[float, Field(ge=1, le=100)] = 3.0
 
 
 class ScheduleConfig(Strict):

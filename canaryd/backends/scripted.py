@@ -25,7 +25,8 @@ hits, greedy flips at near ties and, for an API, text flips (docs/detection.md, 
     noise_model = { preset = "gpu-bf16" }    # or gpu-fp16, gpu-fp32, batch-invariant, api
     # optional: paths = 4, load = 0.5, cache_hits = 0.5, ties = 0.0, text_flips = 0.24, scale = 1.0
 
-A change's ``noise_model`` replaces it from then on (more load, say); a fleet member may have its own.
+A change's ``noise`` or ``noise_model`` replaces it from then on (more load, say); a fleet member may have
+its own. A change's ``logprob_ramp`` is a slow drift: that many nats more every cycle from ``at`` on.
 Every draw (the noise, the path, the fleet member, an unseeded sample) is fresh in every process, as a
 real engine's is, unless ``seed`` pins it; the paths themselves are the same in every process, as a
 restarted engine's are.
@@ -106,6 +107,7 @@ class Change(Strict):
     canaries: tuple[str, ...] | None = None
     text: str | None = None  # the answer, replaced
     logprob_shift: float = 0.0  # added to every logprob (clamped at 0)
+    logprob_ramp: float = 0.0  # nats added per cycle from ``at`` on (``at`` itself: one step): a slow drift
     noise: Annotated[float, Field(ge=0)] | None = None
     noise_model: NoiseModel | None = None  # replaces the realistic noise model (another load, say)
     fingerprint: str | None = None
@@ -294,7 +296,8 @@ class Prober:
     ) -> tuple[float, float, Realistic | None]:
         """The shift, the Gaussian sd and the realistic model that apply: a change's, else the member's,
         else the backend's."""
-        shift = sum(c.logprob_shift for c in active) + (member.logprob_shift if member else 0.0)
+        shift = sum(c.logprob_shift + c.logprob_ramp * (max(1, self.cycle) - c.at + 1) for c in active)
+        shift += member.logprob_shift if member else 0.0
         own = member.noise if member and member.noise is not None else self.cfg.noise
         noise = next((c.noise for c in reversed(active) if c.noise is not None), own)
         cfg = member.noise_model if member and member.noise_model is not None else self.cfg.noise_model

@@ -39,6 +39,15 @@ outside the EXACT regime one out canary is only a drift verdict when the backend
   approximate (recalibrating after a stack change renews it). It catches small persistent shifts no
   single cycle proves.
 
+**A model that lives** (`canaryd.judge.living`, whose docstring gives the rule). Honest noise grows with
+load, fleet size and batch mix, and a frozen model would page for ever. A canary out of its noise whose
+logprobs kept their signed location (a signed-rank statistic against the first model's centre, scale-free,
+its null the first K probes' own) is refit: its answer and a few more probes are *added* as references,
+within a cap on how far any may stand (``refit_cap`` × the first model's largest leave-one-out distance).
+The first K probes, their spread and centre never move, nor does the baseline, so a shift or a slow ramp
+(one-way moves) is never followed. After a refit ``p`` is taken against the added references'
+leave-one-out distances (the noise as it is now); the out threshold stays the one over all references.
+
 **Signals beyond logprobs**: the same K probes calibrate each canary's reasoning tokens and latency
 (`canaryd.judge.signals`, whose docstring gives their rules).
 
@@ -166,6 +175,21 @@ SIGNALS = ("reasoning_tokens", "latency_s")  # calibrated beside the logprobs (c
 
 
 @dataclass(frozen=True, slots=True)
+class Refit:
+    """How a living calibration has grown since it was fitted (`canaryd.judge.living`): ``refs[:first]``
+    are the model as first fitted, whose spread and centre no refit moves; ``loo_max`` is that model's
+    largest leave-one-out distance (what the widening cap is measured against)."""
+
+    first: int
+    count: int
+    at: str  # when the last refit was made (ISO 8601, UTC)
+    loo_max: float
+
+    def as_dict(self) -> dict:
+        return {"first": self.first, "count": self.count, "at": self.at, "loo_max": self.loo_max}
+
+
+@dataclass(frozen=True, slots=True)
 class NoiseModel:
     """What K honest probes of one canary × backend look like; `score` judges a new probe against it."""
 
@@ -176,6 +200,7 @@ class NoiseModel:
     loo: tuple[float, ...]  # each probe's distance to its nearest other probe
     # the K probes' reasoning tokens and latency (seconds), when every probe had them
     signal_values: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
+    refit: Refit | None = None  # None: the model as fitted
     # derived from refs once (hashing every coordinate is most of what scoring would cost)
     signatures: int = field(init=False)
     completions: Counter[str] = field(init=False)
@@ -240,6 +265,11 @@ class NoiseModel:
             "threshold": self.threshold,
             "basis": self.basis,
             **{name: fit.summary() for name, fit in self.signals.items()},
+            **(
+                {"refit": {**self.refit.as_dict(), "threshold_first": (1 + GUARD) * self.refit.loo_max}}
+                if self.refit
+                else {}
+            ),
         }
 
     def as_dict(self) -> dict:
@@ -250,6 +280,7 @@ class NoiseModel:
             "default_spread": self.default_spread,
             "loo": list(self.loo),
             "signals": {name: list(vs) for name, vs in self.signal_values.items()},
+            **({"refit": self.refit.as_dict()} if self.refit else {}),
         }
 
     @classmethod
@@ -263,6 +294,7 @@ class NoiseModel:
             default_spread=float(doc["default_spread"]),
             loo=tuple(float(x) for x in doc["loo"]),
             signal_values=_signal_values(doc.get("signals") or {}),  # absent: calibrated by an older version
+            refit=_refit(doc.get("refit"), len(doc["refs"])),
         )
         for i, ref in enumerate(model.refs):
             for (pos, tok), v in ref.coords.items():
@@ -290,6 +322,17 @@ def _signal_values(doc: Mapping) -> dict[str, tuple[float, ...]]:
             raise CalibrationError(f"signals.{name}: not at least 2 finite values >= 0")
         out[name] = vs
     return out
+
+
+def _refit(doc: Mapping | None, k: int) -> Refit | None:
+    if doc is None:
+        return None
+    refit = Refit(int(doc["first"]), int(doc["count"]), str(doc["at"]), float(doc["loo_max"]))
+    if not (
+        2 <= refit.first < k and refit.count >= 1 and math.isfinite(refit.loo_max) and refit.loo_max >= 0
+    ):
+        raise CalibrationError("refit: not a refit of this model's first probes")
+    return refit
 
 
 def _quantile(sorted_values: Sequence[float], q: float) -> float:
@@ -355,7 +398,8 @@ def score_point(model: NoiseModel, x: Point) -> Evidence:
     if novel and d == 0.0:
         # tokens no honest probe produced, with nothing aligned that moved (or no logprobs at all): a change
         d = math.nextafter(0.0, 1.0)
-    p = (1 + sum(1 for v in model.loo if v >= d)) / (model.k + 1)
+    null = model.loo[model.refit.first :] if model.refit else model.loo  # a refit: the noise as it is now
+    p = (1 + sum(1 for v in null if v >= d)) / (len(null) + 1)
     return Evidence(
         method="exact" if model.regime is Regime.EXACT else "conformal-nn",
         statistic=d,

@@ -31,7 +31,7 @@ from canaryd.judge.compare import Comparison, Decision, Verdict, decide
 from canaryd.judge.learning import Learning, is_learning
 from canaryd.judge.stats import CalibrationError, DetectorState, NoiseModel, noise_floor
 from canaryd.observation import ErrorKind, Observation, storable, utcnow
-from canaryd.probe import learn, reference, vet
+from canaryd.probe import learn, living, reference, vet
 from canaryd.probe.shapes import Judged, shape_of
 from canaryd.stack import configuration_of, merge_stacks, stack_hash
 from canaryd.store import Reads, Store, open_store
@@ -172,6 +172,10 @@ def probe_backend(
                 for j in steps
             ]
         )
+    try:  # a calibrated canary whose noise grew without moving is refit (`canaryd.probe.living`)
+        per = living.refresh(backend, canaries, per, stack, store, config.compare, decision, bound)
+    except Exception:
+        bound.exception("refit_failed")
     final = [j for steps in per for j in steps]
     try:  # the learning canaries' windows grow by this pass (before it is stored: its end is the series')
         learn.grow(backend, canaries, per, stack, store, config.compare, contacted, bound)

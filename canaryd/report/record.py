@@ -334,6 +334,7 @@ def build_record(
         "changes": changes,
         # the evaluation sessions these runs checked (`canaryd.api.Session`, preflight), oldest first
         "sessions": [x.as_dict() for x in store.sessions_of_runs(run_ids)],
+        **({"refits": refits} if (refits := _refits(rows)) else {}),
         "storage": {
             "database": store.url,
             "observation_ids": [r.id for r in rows],
@@ -342,6 +343,16 @@ def build_record(
             "export": "canaryd export " + " ".join(f"--run {i}" for i in sorted(set(run_ids))),
         },
     }
+
+
+def _refits(rows: Sequence) -> list[dict]:
+    """The passes that refit a canary's noise model (``canaryd.judge.living``): honest noise that grew."""
+    out = []
+    for r in rows:
+        note = ((r.comparison or {}).get("evidence") or {}).get("detail", {}).get("refit")
+        if note:
+            out.append({"backend": r.backend, "canary": r.canary_id, "observation_id": r.id, "refit": note})
+    return out
 
 
 def summarize(rec: dict) -> dict:
@@ -483,6 +494,12 @@ def to_markdown(rec: dict) -> str:
             ),
         ),
     ]
+    if rec.get("refits"):
+        lines += ["", "## Noise models refit (honest noise that grew)", ""]
+        lines += _table(
+            ("backend", "canary", "observation", "refit"),
+            ((f["backend"], f["canary"], f["observation_id"], f["refit"]) for f in rec["refits"]),
+        )
     if rec["changes"]:
         lines += ["", "## 4. Changes (against each canary's baseline)", ""]
         for c in rec["changes"]:

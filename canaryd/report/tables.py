@@ -158,13 +158,18 @@ def history_table(rows: Sequence[StoredObservation]) -> Table:
             o.started_at.strftime("%Y-%m-%d %H:%M:%S"),
             o.backend,
             o.canary_id,
-            f"[{Verdict(o.verdict).style}]{o.verdict}[/]",
+            f"[{Verdict(o.verdict).style}]{o.verdict}[/]" + (" + refit" if _refit(o) else ""),
             _tick(o.correct),
             str(spent) if (spent := tokens_spent(o)) is not None else "-",
             (answer or "")[:60],
             o.stack_hash or "-",
         )
     return t
+
+
+def _refit(o: StoredObservation) -> bool:
+    """Whether the pass refit the canary's noise model (``canaryd.judge.living``)."""
+    return "refit" in ((o.comparison or {}).get("evidence") or {}).get("detail", {})
 
 
 def print_tables(console: Console, *tables: Table | None) -> None:

@@ -1,0 +1,125 @@
+"""Calibration that lives, the probing half: after a pass, refit the models whose noise grew honestly.
+
+The rule is ``canaryd.judge.living``'s; here it meets the backend and the store. Nothing is sent while
+every calibrated canary stays within its noise: the pass's own answers are the evidence. Only a canary out
+of its noise whose own answer is location-quiet costs ``refit_probes`` more requests (crowded, as learning
+probes are), and only its refit is saved. Like learning probes they are never stored as observations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from canaryd import progress
+from canaryd.judge.learning import is_learning
+from canaryd.judge.living import Location, location, pooled, refit, restarts_detector
+from canaryd.judge.stats import CalibrationError, NoiseModel, point
+from canaryd.observation import Observation, utcnow
+from canaryd.probe.learn import _sizes, _usable
+from canaryd.probe.shapes import Judged, shape_of
+from canaryd.stack import configuration_of
+
+if TYPE_CHECKING:
+    from canaryd.backends import Backend
+    from canaryd.canaries import Canary
+    from canaryd.config import CompareConfig
+    from canaryd.judge.compare import Decision
+    from canaryd.store import Store
+
+
+def _model(store: Store, backend: str, obs: Observation) -> NoiseModel | None:
+    """The canary's stored noise model of the observed request (None: learning, none, or another)."""
+    doc = store.judging(backend).calibration(backend, obs.canary_id, configuration_of(obs.stack))
+    if doc is None or is_learning(doc):
+        return None
+    try:
+        model = NoiseModel.from_dict(doc)
+    except (CalibrationError, KeyError, TypeError, ValueError):
+        return None
+    return model if model.request_hash == obs.request_hash else None
+
+
+def refresh(
+    backend: Backend,
+    canaries: Sequence[Canary],
+    judged: Sequence[list[Judged]],
+    stack: dict[str, str],
+    store: Store,
+    settings: CompareConfig,
+    decision: Decision,
+    bound: Any,
+) -> list[list[Judged]]:
+    """Refit each calibrated canary of the pass that was out of its noise while its logprobs kept their
+    location; the pass's comparisons come back with each refit in its reasons and evidence."""
+    if not settings.refit:
+        return list(judged)
+    # first the pass as it stands: each calibrated answer's location, and the pass's canaries pooled
+    due: dict[str, tuple[NoiseModel, Location, Observation]] = {}
+    ts, bounds, quiet = [], [], True
+    for canary, per in zip(canaries, judged, strict=True):
+        for j in per if shape_of(canary).calibrated else ():
+            ev, obs = j.comparison.evidence, j.observation
+            if ev is None or ev.method != "conformal-nn" or not obs.ok:
+                continue
+            if (model := _model(store, backend.name, obs)) is None:
+                continue
+            loc = location(model)
+            t = loc.t(model, point(obs))
+            if t is None:
+                continue
+            ts.append(t)
+            bounds.append(loc.bound)
+            quiet = quiet and abs(t) <= loc.bound
+            moved = j.comparison.stack_changes or j.comparison.prompt_tokens_changed
+            if ev.out and abs(t) <= loc.bound and not moved:
+                due[obs.canary_id] = (model, loc, obs)
+    quiet = quiet and abs(pooled(ts)) <= max(bounds, default=0.0)
+    if not (due and quiet):
+        return list(judged)
+    # then the out ones: more probes, and the refit when they keep the location too
+    notes: dict[str, str] = {}
+    saves: list[tuple[str, str, NoiseModel]] = []
+    for canary in canaries:
+        mine = {cid: v for cid, v in due.items() if cid.partition(":")[0] == canary.id}
+        if not mine:
+            continue
+        sizes = _sizes(backend, settings, False)
+        with progress.quiet():
+            probes = shape_of(canary).calibration_probes(
+                backend, canary, canaries, k=settings.refit_probes, batch_sizes=sizes
+            )
+        for cid, (model, loc, own) in mine.items():
+            extra = [point(o) for o in _usable(probes.get(cid, []), own, stack)]
+            got = refit(model, [point(own), *extra], loc, cap=settings.refit_cap, at=utcnow().isoformat())
+            if isinstance(got, str):
+                bound.info("refit_refused", canary=cid, why=got)
+                continue
+            saves.append((cid, configuration_of(own.stack), got))
+            notes[cid] = _note(model, got)
+    refit_ids = {cid.partition(":")[0] for cid, _, _ in saves}
+    restart = restarts_detector(decision.state.alarm, decision.out, refit_ids, quiet)
+    for i, (cid, configuration, model) in enumerate(saves):
+        last = restart and i == len(saves) - 1  # one restart, with the last refit saved
+        store.save_calibration(backend.name, cid, model, configuration, restart_detector=last)
+        bound.info("refit", canary=cid, k=model.k, restarts_detector=last)
+    return [[_noted(j, notes.get(j.observation.canary_id)) for j in per] for per in judged]
+
+
+def _note(old: NoiseModel, new: NoiseModel) -> str:
+    assert new.refit is not None
+    return (
+        f"noise model refit #{new.refit.count}: out of its noise, but its logprobs kept their location "
+        f"(honest noise grew); {new.k - new.refit.first} references added to the first {new.refit.first}, "
+        f"threshold {old.threshold:.3g} -> {new.threshold:.3g}"
+    )
+
+
+def _noted(j: Judged, note: str | None) -> Judged:
+    if note is None or j.comparison.evidence is None:
+        return j
+    ev = j.comparison.evidence
+    detail = {**ev.detail, "refit": note}
+    c = replace(j.comparison, reasons=(*j.comparison.reasons, note), evidence=replace(ev, detail=detail))
+    return replace(j, comparison=c)
