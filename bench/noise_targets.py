@@ -496,6 +496,8 @@ def print_quiet(rows: Sequence[Row], arl: float) -> None:
             f"| {regimes} | {w.canary_passes:,} | {rate(w.drift, w.canary_passes, 1e4)} "
             f"| {rate(w.alarms, w.passes)} | {out} |"
         )
+    alarms, passes = sum(r.week.alarms for r in rows), sum(r.week.passes for r in rows)
+    print(f"\nAlarm onsets per pass, every model pooled: {rate(alarms, passes)} (1/arl = {1 / arl:g}).")
 
 
 def print_alerts(rows: Sequence[Row]) -> None:
