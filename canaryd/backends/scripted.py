@@ -36,7 +36,9 @@ with ``request.logprobs = "require"``) makes it a ``no_logprobs`` error. ``reaso
 canaries, or by canary id) reports hidden reasoning as OpenAI-style usage does (counted in
 ``completion_tokens`` too), each attempt drawn within ± ``reasoning_jitter`` of it; a change's
 ``reasoning_tokens`` replaces it (a provider silently lowering reasoning effort). ``reasoning_effort``
-maps a request's effort to its reasoning tokens (``{ low = 100, high = 400 }``).
+maps a request's effort to its reasoning tokens (``{ low = 100, high = 400 }``). ``wrong_rate`` answers
+``wrong_answer`` instead of the script to that share of the requests, drawn per request (a provider wrong
+by honest noise); a change's ``wrong_rate`` replaces it (the rate rises).
 
 The kind can score (teacher forcing): a forced canary or a reference check gets the given continuation
 back character by character, ranked against what the script would have answered (`Prober._scored`).
@@ -80,7 +82,7 @@ from pydantic import Field, model_validator
 from canaryd.backends import openai_wire as wire
 from canaryd.backends import refusals
 from canaryd.backends.base import BackendSettings, BackendUnavailable
-from canaryd.backends.noise import NoiseModel, Realistic, Route, unit
+from canaryd.backends.noise import NoiseModel, Realistic, Route, Share, unit
 from canaryd.backends.openai_request import request_body, request_hash
 from canaryd.canaries import Canary
 from canaryd.fields import Strict
@@ -114,6 +116,7 @@ class Change(Strict):
     logprobs: bool | None = None  # False: answers carry no logprobs
     refuse: Literal[refusals.PARAMS] | None = None  # an HTTP 400 unsupported_parameter on this parameter
     reasoning_tokens: Annotated[int, Field(ge=0)] | None = None  # the hidden reasoning tokens, replaced
+    wrong_rate: Share | None = None  # the share of answers that are ``wrong_answer``, replaced
     error: ErrorKind | None = None  # every attempt fails so ...
     fail_attempts: Annotated[int, Field(ge=0)] | None = None  # ... or only the first N of each probe
     down: bool = False  # the snapshot fails: the backend is unreachable
@@ -155,6 +158,8 @@ class Settings(BackendSettings):
     reasoning_tokens: Annotated[int, Field(ge=0)] | dict[str, Annotated[int, Field(ge=0)]] | None = None
     reasoning_jitter: Annotated[int, Field(ge=0)] = 0
     reasoning_effort: dict[str, Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
+    wrong_rate: Share = 0.0  # the share of answers that are ``wrong_answer`` (a provider wrong by noise)
+    wrong_answer: str = "wrong"
     tool_calls: dict[str, ScriptedCall] = Field(default_factory=dict)
     ignore: tuple[Ignorable, ...] = ()
     changes: tuple[Change, ...] = ()
@@ -260,6 +265,10 @@ class Prober:
         ignored = {*self.cfg.ignore, *(p for c in active for p in c.ignore)}
         calls = self._calls(canary, active)
         text = wire.with_calls(None, calls) if calls else self._answer(canary, active, draw)
+        wrong = next((c.wrong_rate for c in reversed(active) if c.wrong_rate is not None), None)
+        wrong = self.cfg.wrong_rate if wrong is None else wrong
+        if not calls and wrong and random.Random(f"{self.seed}:{canary.id}:{draw}:wrong").random() < wrong:
+            text = self.cfg.wrong_answer
         obs.tool_calls = calls
         shift, noise, model = self._shift_noise(active, member)
         rng = random.Random(f"{self.seed}:{canary.id}:{draw}")
