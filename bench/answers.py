@@ -34,7 +34,7 @@ SCENARIOS = {
         API,
         {"canaries": ["capital"], "noise_model": {"preset": "api", "text_flips": 0.7}},
     ),
-    "gpu-bf16, ties 0.3: honest": ({"noise_model": {"preset": "gpu-bf16", "ties": 0.3}}, None),
+    "gpu-bf16, ties 0.6: honest": ({"noise_model": {"preset": "gpu-bf16", "ties": 0.6}}, None),
     "wrong 20 %, noise 0.01: honest": ({"wrong_rate": 0.2, "noise": 0.01}, None),
     "wrong 20 % -> 100 %, noise 0.01": ({"wrong_rate": 0.2, "noise": 0.01}, {"wrong_rate": 1.0}),
     "wrong 20 % -> 60 %, no logprobs": ({"wrong_rate": 0.2, "logprobs": False}, {"wrong_rate": 0.6}),

@@ -201,6 +201,7 @@ class Prober:
         self.cycle = 0
         self._attempts: dict[tuple[int, str], int] = {}
         self._draws = 0
+        self._nth: dict[str, int] = {}
         self._lock = threading.Lock()
         # the noise differs between processes, as a real engine's does, unless the seed pins it
         self.seed = cfg.seed if cfg.seed is not None else secrets.randbits(64)
@@ -245,6 +246,9 @@ class Prober:
             n = self._attempts[key] = self._attempts.get(key, 0) + 1
             self._draws += 1
             draw = self._draws
+            # the canary's own count seeds its noise: the order threads reach the kind in must not change
+            # what a seed pins
+            nth = self._nth[canary.id] = self._nth.get(canary.id, 0) + 1
         member = self._member(draw)
         active = [
             c for c in self._active(canary.id) if c.member is None or (member and c.member == member.name)
@@ -264,17 +268,17 @@ class Prober:
             return self._scored(canary, active, obs, member)
         ignored = {*self.cfg.ignore, *(p for c in active for p in c.ignore)}
         calls = self._calls(canary, active)
-        text = wire.with_calls(None, calls) if calls else self._answer(canary, active, draw)
+        text = wire.with_calls(None, calls) if calls else self._answer(canary, active, nth)
         wrong = next((c.wrong_rate for c in reversed(active) if c.wrong_rate is not None), None)
         wrong = self.cfg.wrong_rate if wrong is None else wrong
-        if not calls and wrong and random.Random(f"{self.seed}:{canary.id}:{draw}:wrong").random() < wrong:
+        if not calls and wrong and random.Random(f"{self.seed}:{canary.id}:{nth}:wrong").random() < wrong:
             text = self.cfg.wrong_answer
         obs.tool_calls = calls
         shift, noise, model = self._shift_noise(active, member)
-        rng = random.Random(f"{self.seed}:{canary.id}:{draw}")
+        rng = random.Random(f"{self.seed}:{canary.id}:{nth}")
         route, ties = None, {}
         if model is not None:
-            route = model.draw(random.Random(f"{self.seed}:{canary.id}:{draw}:route"))
+            route = model.draw(random.Random(f"{self.seed}:{canary.id}:{nth}:route"))
             text, ties = (text, {}) if calls else model.answer(canary.id, text, route)
         d = canary.decoding
         chars = list(text) if "max_tokens" in ignored else list(text)[: d.max_tokens]
