@@ -5,21 +5,25 @@ of exact repeats), and a GPU engine's greedy answer flips at a near tie. Such a 
 answers its noise model learned (the learning window's texts, or `baseline calibrate`'s K probes: the
 ``answers`` entry of its calibration row), never on the first text it gave:
 
-* **The distribution.** The learned window holds K answers, counted by text. The last w passes since the
-  model was fitted (this one included, read from the observations of the canary × backend × serving
-  configuration) are compared with them by one-sided Fisher exact tests: for each learned text, whether
-  its share fell (76 % then, 30 % now), and whether texts the window never held became common. A change
-  of the distribution lowers some learned text's share or raises the unlearned ones, so these tests cover
-  every change. Fisher's test conditions on both samples, so it accounts for K being small (no rate is
-  taken as known), and under no change the window and the recent answers are exchangeable, which makes
-  each p-value valid. Over the windows ``WINDOWS`` and the texts, a Bonferroni correction holds the chance
-  of a false ``answer-drift`` below ``ALPHA`` per canary-pass.
+* **The distribution.** The learned window holds K answers, counted by text. For each w of ``WINDOWS``,
+  the newest w passes since the model was fitted (this one included, read from the observations of the
+  canary × backend × serving configuration) are compared with a reference: the learned window and at most
+  ``HISTORY`` older passes since the fit that were judged without drift (a change is thus compared, in
+  every window that holds it whole, with answers from before it; the learned window never leaves the
+  reference). One-sided Fisher exact tests ask, for each reference text, whether its share fell (76 %
+  then, 30 % now), and whether texts the reference never held became common. A change of the
+  distribution lowers some reference text's share or raises the unseen ones, so these tests cover every
+  change. Fisher's test conditions on both samples, so it accounts for K being small (no rate is taken
+  as known), and under no change the reference and the newest answers are exchangeable, which makes each
+  p-value valid. A Bonferroni correction over the windows and the texts holds the chance of a false
+  ``answer-drift`` below ``ALPHA`` per canary-pass (conditional on one learned window the tests are valid
+  on average over windows, as the conformal p-values of ``canaryd.judge.stats`` are).
 * **Correctness as a rate.** Each learned text is checked against the canary's expected answer, which
   gives its learned count of wrong answers. Learned at 0 (right every time), a wrong answer is a
   ``regression`` at once, as today: under no change, with n exchangeable answers of which exactly one is
   wrong, that one is the newest with chance 1/(n + 1), which bounds a false ``regression`` per
   canary-pass at 1/(K + 1), the exact regime's bound. Learned above 0, a wrong answer is a ``regression``
-  only when the recent passes' wrong answers are more than the window's by the same one-sided Fisher
+  only when the newest passes' wrong answers are more than the reference's by the same one-sided Fisher
   test (Bonferroni over ``WINDOWS``, ``ALPHA`` per canary-pass); an honest wrong answer is otherwise
   judged as an answer (within noise, or ``answer-drift`` held back as any out canary is).
 * **While learning**, a wrong answer is ``learning`` once the window holds wrong answers (their rate is
@@ -32,8 +36,8 @@ answers its noise model learned (the learning window's texts, or `baseline calib
   learning cannot become the learned rate.
 
 The usage (prompt, visible completion and reasoning tokens) is judged as before, reasoning tokens on their
-spread learned from the same window. The reference is the window alone and never moves: passes judged
-since are never added to it, so a slow change cannot be absorbed.
+spread learned from the same window. These verdicts are their own path at their own alpha: the cycle's
+decision does not hold them back, and they do not feed the backend's e-CUSUM.
 """
 
 from __future__ import annotations
@@ -79,7 +83,7 @@ def fewer(recent: int, w: int, learned: int, k: int) -> float:
 
 @dataclass(frozen=True, slots=True)
 class Test:
-    """The most surprising of a family of tests, Bonferroni-corrected over its ``tests``."""
+    """The most surprising of a family of tests, its p-value Bonferroni-corrected over the family."""
 
     p: float  # the corrected p-value
     window: int  # the recent passes it compared
