@@ -37,7 +37,9 @@ with ``request.logprobs = "require"``) makes it a ``no_logprobs`` error. ``reaso
 canaries, or by canary id) reports hidden reasoning as OpenAI-style usage does (counted in
 ``completion_tokens`` too), each attempt drawn within ± ``reasoning_jitter`` of it; a change's
 ``reasoning_tokens`` replaces it (a provider silently lowering reasoning effort). ``reasoning_effort``
-maps a request's effort to its reasoning tokens (``{ low = 100, high = 400 }``).
+maps a request's effort to its reasoning tokens (``{ low = 100, high = 400 }``). ``wrong_rate`` answers
+``wrong_answer`` instead of the script to that share of the requests, drawn per request (a provider wrong
+by honest noise); a change's ``wrong_rate`` replaces it (the rate rises).
 
 The kind can score (teacher forcing): a forced canary or a reference check gets the given continuation
 back character by character, ranked against what the script would have answered (`Prober._scored`).
@@ -81,7 +83,7 @@ from pydantic import Field, model_validator
 from canaryd.backends import openai_wire as wire
 from canaryd.backends import refusals
 from canaryd.backends.base import BackendSettings, BackendUnavailable
-from canaryd.backends.noise import NoiseModel, Realistic, Route, unit
+from canaryd.backends.noise import NoiseModel, Realistic, Route, Share, unit
 from canaryd.backends.openai_request import request_body, request_hash
 from canaryd.canaries import Canary
 from canaryd.fields import Strict
@@ -116,6 +118,7 @@ class Change(Strict):
     logprobs: bool | None = None  # False: answers carry no logprobs
     refuse: Literal[refusals.PARAMS] | None = None  # an HTTP 400 unsupported_parameter on this parameter
     reasoning_tokens: Annotated[int, Field(ge=0)] | None = None  # the hidden reasoning tokens, replaced
+    wrong_rate: Share | None = None  # the share of answers that are ``wrong_answer``, replaced
     error: ErrorKind | None = None  # every attempt fails so ...
     fail_attempts: Annotated[int, Field(ge=0)] | None = None  # ... or only the first N of each probe
     down: bool = False  # the snapshot fails: the backend is unreachable
@@ -157,6 +160,8 @@ class Settings(BackendSettings):
     reasoning_tokens: Annotated[int, Field(ge=0)] | dict[str, Annotated[int, Field(ge=0)]] | None = None
     reasoning_jitter: Annotated[int, Field(ge=0)] = 0
     reasoning_effort: dict[str, Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
+    wrong_rate: Share = 0.0  # the share of answers that are ``wrong_answer`` (a provider wrong by noise)
+    wrong_answer: str = "wrong"
     tool_calls: dict[str, ScriptedCall] = Field(default_factory=dict)
     ignore: tuple[Ignorable, ...] = ()
     changes: tuple[Change, ...] = ()
@@ -198,6 +203,7 @@ class Prober:
         self.cycle = 0
         self._attempts: dict[tuple[int, str], int] = {}
         self._draws = 0
+        self._nth: dict[str, int] = {}
         self._lock = threading.Lock()
         # the noise differs between processes, as a real engine's does, unless the seed pins it
         self.seed = cfg.seed if cfg.seed is not None else secrets.randbits(64)
@@ -242,6 +248,9 @@ class Prober:
             n = self._attempts[key] = self._attempts.get(key, 0) + 1
             self._draws += 1
             draw = self._draws
+            # the canary's own count seeds its noise: the order threads reach the kind in must not change
+            # what a seed pins
+            nth = self._nth[canary.id] = self._nth.get(canary.id, 0) + 1
         member = self._member(draw)
         active = [
             c for c in self._active(canary.id) if c.member is None or (member and c.member == member.name)
@@ -261,13 +270,17 @@ class Prober:
             return self._scored(canary, active, obs, member)
         ignored = {*self.cfg.ignore, *(p for c in active for p in c.ignore)}
         calls = self._calls(canary, active)
-        text = wire.with_calls(None, calls) if calls else self._answer(canary, active, draw)
+        text = wire.with_calls(None, calls) if calls else self._answer(canary, active, nth)
+        wrong = next((c.wrong_rate for c in reversed(active) if c.wrong_rate is not None), None)
+        wrong = self.cfg.wrong_rate if wrong is None else wrong
+        if not calls and wrong and random.Random(f"{self.seed}:{canary.id}:{nth}:wrong").random() < wrong:
+            text = self.cfg.wrong_answer
         obs.tool_calls = calls
         shift, noise, model = self._shift_noise(active, member)
-        rng = random.Random(f"{self.seed}:{canary.id}:{draw}")
+        rng = random.Random(f"{self.seed}:{canary.id}:{nth}")
         route, ties = None, {}
         if model is not None:
-            route = model.draw(random.Random(f"{self.seed}:{canary.id}:{draw}:route"))
+            route = model.draw(random.Random(f"{self.seed}:{canary.id}:{nth}:route"))
             text, ties = (text, {}) if calls else model.answer(canary.id, text, route)
         d = canary.decoding
         chars = list(text) if "max_tokens" in ignored else list(text)[: d.max_tokens]

@@ -59,6 +59,7 @@ class Learning:
     refused: str | None = None
     max_passes: int = 0  # ``learn_max_passes`` when it started (0: none)
     suspect: int | None = None  # where probes out of the noise before them began (`newest_within`)
+    texts: tuple[str, ...] = ()  # each point's answer text: its answer distribution (`canaryd.judge.answers`)
 
     @property
     def k(self) -> int:
@@ -104,6 +105,7 @@ class Learning:
             self,
             points=(*self.points, *(point(o) for o in observations)),
             samples=(*self.samples, *(_sample(o) for o in observations)),
+            texts=(*self.texts, *(o.text or "" for o in observations)),
         )
 
     def model(self) -> NoiseModel:
@@ -128,6 +130,7 @@ class Learning:
                 "refused": self.refused,
                 "max_passes": self.max_passes,
                 "suspect": self.suspect,
+                "texts": list(self.texts),
             }
         }
 
@@ -157,6 +160,7 @@ class Learning:
             None if refused is None else str(refused),
             int(w.get("max_passes", 0)),
             None if w.get("suspect") is None else int(w["suspect"]),
+            tuple(str(t) for t in w.get("texts", ())),  # absent: a window an older version began
         )
 
 

@@ -29,6 +29,7 @@ from canaryd.backends import Backend
 from canaryd.canaries import Canary
 from canaryd.config import Config
 from canaryd.errors import EXIT_DRIFT, EXIT_OK, EXIT_UNAVAILABLE, InputError
+from canaryd.judge.answers import WithAnswers
 from canaryd.judge.stats import CalibrationError, NoiseModel, fit
 from canaryd.observation import Observation
 from canaryd.probe.learn import outside_baseline
@@ -123,7 +124,8 @@ def _fit_one(
         return Calibrated(backend, cid, None, errors, str(e), configuration)
     problem = outside_baseline(store, backend, cid, configuration, model)
     if problem is None:
-        store.save_calibration(backend, cid, model, configuration)
+        texts = tuple(o.text or "" for o in observed if o.ok)
+        store.save_calibration(backend, cid, WithAnswers(model, texts), configuration)
     return Calibrated(backend, cid, model, errors, problem, configuration)
 
 

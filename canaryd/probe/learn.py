@@ -22,7 +22,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from canaryd import progress
-from canaryd.judge import determinism
+from canaryd.judge import answers, determinism
+from canaryd.judge.compare import basis_of
 from canaryd.judge.learning import (
     MIN_FIT,
     SHIFT_ALPHA,
@@ -36,6 +37,7 @@ from canaryd.judge.learning import (
 )
 from canaryd.judge.stats import CalibrationError, NoiseModel, fit
 from canaryd.observation import Observation, tokens_problem
+from canaryd.probe.answers import checker
 from canaryd.probe.shapes import Judged, shape_of
 from canaryd.stack import configuration_of
 
@@ -111,12 +113,22 @@ def first_contact(
                 backend, canary, canaries, k=settings.learn_first, batch_sizes=sizes
             )
         for own in due:
-            regime = _first(
-                store, backend.name, own, _usable(probes.get(own.canary_id, []), own, stack), settings
-            )
+            usable = _usable(probes.get(own.canary_id, []), own, stack)
+            if _identical_text(own, usable) and (more := settings.learn_k - 1 - len(usable)) > 0:
+                with progress.quiet():
+                    extra = shape.calibration_probes(backend, canary, canaries, k=more, batch_sizes=sizes)
+                usable += _usable(extra.get(own.canary_id, []), own, stack)
+            regime = _first(store, backend.name, own, usable, settings)
             bound.info("learning_first_contact", canary=own.canary_id, regime=regime)
         done.add(canary.id)
     return done
+
+
+def _identical_text(own: Observation, usable: list[Observation]) -> bool:
+    """Identical answers without logprobs: they do not show an exact backend (an API flipping a quarter of
+    its answers gives five identical ones a quarter of the time), so first contact sends ``learn_k``
+    probes in all before it decides (`canaryd.judge.answers`)."""
+    return bool(usable) and basis_of(own, *usable) == "text" and exact([own, *usable])
 
 
 def _first(
@@ -132,7 +144,8 @@ def _first(
         model = fit([own, *usable])
         problem = outside_baseline(store, backend, own.canary_id, configuration, model)
         if problem is None:
-            store.save_calibration(backend, own.canary_id, model, configuration, restart_detector=False)
+            saved = answers.WithAnswers(model, state.texts)
+            store.save_calibration(backend, own.canary_id, saved, configuration, restart_detector=False)
             return "exact"
         state = replace(state, refused=f"exact at first contact, but {problem}")
     elif (mode := determinism.declared(own.stack)) is not None:  # declared exact: a finding, not learning
@@ -193,16 +206,23 @@ def grow(
             state = replace(state, passes=state.passes + 1)
             added = [own, *_usable(probes.get(cid, []), own, stack)] if quiet else []
             state = state.add(added)
-            outcome, why = _settle(store, backend.name, own, state, len(added), settings)
+            outcome, why = _settle(store, backend.name, own, state, len(added), settings, checker(canary))
             bound.info("learning", canary=cid, probes=state.k, target=state.target, outcome=outcome, why=why)
 
 
 def _settle(
-    store: Store, backend: str, own: Observation, state: Learning, added: int, settings: CompareConfig
+    store: Store,
+    backend: str,
+    own: Observation,
+    state: Learning,
+    added: int,
+    settings: CompareConfig,
+    check: answers.Check | None,
 ) -> tuple[str, str | None]:
     """Fit the window when it is full (or past ``learn_max_passes``) unless its ``added`` newest probes
-    are out of the noise before them (it waits a pass), save the model unless it would launder a change;
-    else keep the window. Returns what happened, and why a window was not saved."""
+    are out of the noise before them (it waits a pass), save the model unless it would launder a change
+    (``check``: the canary's check of an answer, None where its answers are not checked as text); else
+    keep the window. Returns what happened, and why a window was not saved."""
     configuration = configuration_of(own.stack)
     late = state.passes >= settings.learn_max_passes
     due = state.k >= state.target or (late and state.k >= MIN_FIT)
@@ -218,8 +238,11 @@ def _settle(
                 f"the window's first and second half differ beyond noise (permutation p {p:.3g}): "
                 "something changed while learning"
             )
+        if problem is None and check is not None:
+            problem = answers.window_problem(state.texts, check)
         if problem is None:
-            store.save_calibration(backend, own.canary_id, model, configuration, restart_detector=False)
+            saved = answers.WithAnswers(model, state.texts)
+            store.save_calibration(backend, own.canary_id, saved, configuration, restart_detector=False)
             return "fitted", None
         if state.restarts == 0:
             state = Learning(

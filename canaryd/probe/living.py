@@ -13,6 +13,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from canaryd import progress
+from canaryd.judge.answers import WithAnswers
 from canaryd.judge.learning import is_learning
 from canaryd.judge.living import Location, location, pooled, refit, restarts_detector
 from canaryd.judge.stats import CalibrationError, NoiseModel, point
@@ -102,7 +103,9 @@ def refresh(
     restart = restarts_detector(decision.state.alarm, decision.out, refit_ids, quiet)
     for i, (cid, configuration, model) in enumerate(saves):
         last = restart and i == len(saves) - 1  # one restart, with the last refit saved
-        store.save_calibration(backend.name, cid, model, configuration, restart_detector=last)
+        entry = (store.calibration(backend.name, cid, configuration) or {}).get("answers")
+        saved = model if entry is None else WithAnswers(model, (), entry)  # the learned answers stay
+        store.save_calibration(backend.name, cid, saved, configuration, restart_detector=last)
         bound.info("refit", canary=cid, k=model.k, restarts_detector=last)
     return [[_noted(j, notes.get(j.observation.canary_id)) for j in per] for per in judged]
 

@@ -31,7 +31,7 @@ from canaryd.judge.compare import Comparison, Decision, Verdict, decide
 from canaryd.judge.learning import Learning, is_learning
 from canaryd.judge.stats import CalibrationError, DetectorState, NoiseModel, noise_floor
 from canaryd.observation import ErrorKind, Observation, storable, utcnow
-from canaryd.probe import learn, living, reference, vet
+from canaryd.probe import answers, learn, living, reference, vet
 from canaryd.probe.shapes import Judged, shape_of
 from canaryd.stack import configuration_of, merge_stacks, stack_hash
 from canaryd.store import Reads, Store, open_store
@@ -130,6 +130,7 @@ def probe_backend(
             bound.exception("judge_failed", canary=canary.id)
             judged.append([_failed(obs, f"judging failed: {_describe(e)}") for obs in observations])
     judged = _replacement(reads, backend.name, config, canaries, sent, judged, bound)
+    judged = answers.settle(store, reads, backend, canaries, judged, config.compare, bound)
     flat = [j for per_canary in judged for j in per_canary]
 
     # The cycle as a whole: combine the calibrated evidence and carry the backend's detector forward.

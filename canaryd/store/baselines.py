@@ -208,7 +208,8 @@ class Baselines(Connected):
             "k": k,
             **{n: v for n, v in doc["learning"].items() if n != "points"},
         }
-        summary.pop("samples", None)
+        for bulky in ("samples", "texts"):
+            summary.pop(bulky, None)
         self._put_calibration(
             backend, canary_id, configuration, (request_hash, k, "learning", summary, doc), False
         )
