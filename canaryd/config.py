@@ -123,6 +123,9 @@ class DaemonConfig(Strict):
     # Recorded with every run, so daemons sharing one database can be told apart (default: hostname).
     instance: Annotated[str | None, Field(pattern=ID_PATTERN)] = None
     fingerprint_window: Duration = 3600.0  # distinct fingerprints are counted over this window
+    # Requests in flight at once across all backends (each backend's own `concurrency` holds as well), and
+    # backends probed at once: what one daemon carries (docs/fleets.md).
+    max_in_flight: Annotated[int, Field(ge=1, le=4096)] = 64
 
     @field_validator("listen")
     @classmethod
