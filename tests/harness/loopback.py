@@ -5,8 +5,8 @@ does with a request (``{server.base("drip-body")}/chat/completions``), so one se
 client's pooled connection can meet several. Every request is recorded (method, path, headers, body).
 
 Modes: ``ok`` (a chat or legacy completion body with logprobs; ``GET …/models``, ``…/version``, ``…/metrics``
-and ``POST …/tokenize`` answer too), ``slow`` (the same, after ``delay_s``: a server's time per probe;
-``peak`` counts the most requests it held at once), ``gzip`` (the same, gzip-encoded), ``drip-body`` /
+and ``POST …/tokenize`` answer too), ``slow`` (the same, completions after ``delay_s``: a server's time per
+probe; ``peak`` counts the most requests it held at once), ``gzip`` (the same, gzip-encoded), ``drip-body`` /
 ``drip-headers`` (one byte per ``drip_s``, forever), ``hang`` (reads the request, never answers), ``big`` (a
 50 MB chunked body), ``big-declared`` (a 50 MB body announced by Content-Length), ``gzip-bomb`` (50 MB of
 zeros, gzip-encoded: about 50 kB on the wire), ``429`` (Retry-After: 7), ``503``, ``503-big`` (with a 50 MB
@@ -184,7 +184,7 @@ class Loopback:
     def _answer(self, conn: socket.socket, path: str, headers: dict[str, str]) -> bool:
         """Answer one request; False closes the connection."""
         mode = path.split("/")[1]
-        if mode == "slow":
+        if mode == "slow" and path.endswith("completions"):
             with self._counting:
                 self.in_flight += 1
                 self.peak = max(self.peak, self.in_flight)
@@ -194,7 +194,7 @@ class Loopback:
                 with self._counting:
                     self.in_flight -= 1
             return self._send(conn, "200 OK", json.dumps(self._document(path)).encode())
-        if mode in ("ok", "gzip"):
+        if mode in ("ok", "gzip", "slow"):
             doc = self._document(path)
             if mode == "gzip":
                 return self._send(
