@@ -2,10 +2,12 @@
 
 CPU time (user + sys, from ``getrusage(RUSAGE_CHILDREN)`` around each run) of ``canaryd --help``,
 ``--version``, ``validate`` (the config ``canaryd init`` writes: every kind's settings validated) and
-``history --help``, next to ``python -c pass`` measured in the same run: the median of ``--runs`` runs
-each. With ``--against DIR`` the same commands also run with another checkout's code (e.g. the tree
-before the change) in a column beside this one. Then ``census`` on the scripted kind under a
-pseudo-terminal: seconds until the first progress line, and until the table.
+``history --help``, next to ``python -c pass`` measured in the same run: the median of ``--runs`` runs each.
+Then ``validate`` of one suite of 200, 1,000 and 10,000 canaries on 2 backends, each as a multiple of ``python
+-c pass`` (the target at 200: at most 10×) and in milliseconds per 1,000 canaries beyond the first 200 (linear
+and cheap: the same figure at each size). With ``--against DIR`` the first commands also run with another
+checkout's code (e.g. the tree before the change) in a column beside. Then ``census`` on the scripted kind
+under a pseudo-terminal: seconds until the first progress line, and until the table.
 
     PYTHONPATH=. .venv/bin/python bench/cli_startup.py [--runs 7] [--against /path/to/other/checkout]
 """
@@ -45,6 +47,49 @@ def median_cpu(argv: list[str], env: dict[str, str], cwd: Path, runs: int) -> st
     return failed[0] if failed else f"{statistics.median(times):.3f}"  # type: ignore[type-var]
 
 
+def suite(n: int) -> str:
+    """A suite of ``n`` chat canaries, each its own prompt and exact answer."""
+    rows = ['[suite]\nname = "big"']
+    for i in range(n):
+        rows.append(
+            f'[[canary]]\nid = "c{i}"\nmessages = [{{ role = "user", content = "What is {i} + 1?" }}]\n'
+            f'expect = {{ exact = "{i + 1}" }}'
+        )
+    return "\n".join(rows) + "\n"
+
+
+TWO_BACKENDS = "".join(
+    f'[[backends]]\nname = "{n}"\nkind = "vllm"\nbase_url = "http://127.0.0.1:{p}/v1"\nmodel = "m"\n'
+    for n, p in (("a", 8000), ("b", 8001))
+)
+
+
+def suite_sizes(work: Path, env: dict[str, str], runs: int, canaryd: list[str]) -> None:
+    """``validate`` at 200, 1,000 and 10,000 canaries beside ``python -c pass``, measured in turn."""
+    sizes = (200, 1000, 10_000)
+    argv = {}
+    for n in sizes:
+        (work / f"suite{n}.toml").write_text(suite(n))
+        cfg = work / f"validate{n}.toml"
+        cfg.write_text(f'state_dir = "state"\nsuites = ["suite{n}.toml"]\n{TWO_BACKENDS}')
+        argv[n] = [*canaryd, "-c", str(cfg), "validate"]
+    floor, cpu = [], {n: [] for n in sizes}
+    for _ in range(runs):  # interleaved: a load that comes and goes weighs on every column alike
+        floor.append(cpu_s([sys.executable, "-c", "pass"], env, work))
+        for n in sizes:
+            cpu[n].append(cpu_s(argv[n], env, work))
+    failed = [t for t in (*floor, *(t for ts in cpu.values() for t in ts)) if isinstance(t, str)]
+    if failed:
+        raise SystemExit(f"validate failed: {failed[0]}")
+    base = statistics.median(floor)
+    med = {n: statistics.median(cpu[n]) for n in sizes}
+    print(f"\nvalidate, one suite on 2 backends, CPU seconds (median of {runs}); python -c pass {base:.3f}")
+    print(f"{'canaries':>10}{'CPU s':>10}{'x pass':>10}{'ms / 1,000 beyond 200':>24}")
+    for n in sizes:
+        per = "" if n == sizes[0] else f"{(med[n] - med[sizes[0]]) / (n - sizes[0]) * 1e6:.1f}"
+        print(f"{n:>10,}{med[n]:>10.3f}{med[n] / base:>10.1f}{per:>24}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=7)
@@ -54,6 +99,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         env = {**os.environ, "PYTHONPATH": str(ROOT), "NO_COLOR": "1"}
+        env.pop("PYTHONDONTWRITEBYTECODE", None)  # as installed: modules load from their cached bytecode
         canaryd = [sys.executable, "-m", "canaryd"]
         (work / "init").mkdir()
         subprocess.run([*canaryd, "init", str(work / "init")], env=env, check=True, capture_output=True)
@@ -72,6 +118,8 @@ def main() -> None:
                 tree_env = {**env, "PYTHONPATH": str(tree)}
                 cells.append(f"{median_cpu(argv, tree_env, work, args.runs):>22}")
             print(f"{label:<26}" + "".join(cells))
+
+        suite_sizes(work, env, args.runs, canaryd)
 
         (work / "plain.toml").write_text(PLAIN)
         cfg = work / "canaryd.toml"

@@ -131,6 +131,9 @@ class DaemonConfig(Strict):
     fingerprint_window: Duration = 3600.0  # distinct fingerprints are counted over this window
     # TLS and basic auth for the listener: a Prometheus exporter-toolkit web config file (docs/daemon.md).
     web_config: Path | None = None
+    # Requests in flight at once across all backends (each backend's own `concurrency` holds as well), and
+    # backends probed at once: what one daemon carries (docs/fleets.md).
+    max_in_flight: Annotated[int, Field(ge=1, le=4096)] = 64
 
     @field_validator("listen")
     @classmethod

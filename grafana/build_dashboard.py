@@ -795,10 +795,10 @@ def canaryd_row(ids: Ids) -> list:
     return [
         series_panel(
             ids,
-            "Schedule runs and missed runs",
-            f"Scheduled probe passes started ({N.schedule_runs}) and skipped because the "
-            f"previous pass still ran or missed its grace time ({N.schedule_missed}), per "
-            "scrape interval.",
+            "Schedule runs, missed runs and overruns",
+            f"Scheduled probe passes started ({N.schedule_runs}), skipped because the "
+            f"previous pass still ran or missed its grace time ({N.schedule_missed}), and longer than "
+            f"their interval ({N.schedule_overruns}: the daemon carries too much), per scrape interval.",
             "short",
             10,
             7,
@@ -813,6 +813,11 @@ def canaryd_row(ids: Ids) -> list:
                     f"sum by (schedule) (increase({S.schedule_missed}[{RATE}])) "
                     f"or sum by (schedule) (0 * increase({S.schedule_runs}[{RATE}]))",
                     "{{schedule}} missed",
+                ),
+                query(
+                    "C",
+                    f"sum by (schedule) (increase({S.schedule_overruns}[{RATE}]))",
+                    "{{schedule}} overran",
                 ),
             ],
             bars=True,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import threading
+from contextlib import AbstractContextManager
 from functools import cache
 from types import ModuleType
 from typing import Any
@@ -76,12 +77,17 @@ def settings_types() -> tuple[type[BackendSettings], ...]:
     return tuple(map(settings_of, KINDS))
 
 
-def make_backend(settings: BackendSettings, stopping: threading.Event | None = None) -> Backend:
+def make_backend(
+    settings: BackendSettings,
+    stopping: threading.Event | None = None,
+    gate: AbstractContextManager | None = None,
+) -> Backend:
     """The kind's prober, wrapped in the shared retries and circuit breaker; once ``stopping`` is set (the
-    daemon's stop) no new attempt starts and a backoff wait ends."""
+    daemon's stop) no new attempt starts and a backoff wait ends; ``gate`` (the daemon's in-flight cap) is
+    held around each request."""
     from canaryd.backends.resilience import Resilient
 
-    return Resilient(_module(settings.kind).Prober(settings), settings, stopping)
+    return Resilient(_module(settings.kind).Prober(settings), settings, stopping, gate)
 
 
 def declared(kind: str, name: str, default: Any = None) -> Any:

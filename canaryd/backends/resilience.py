@@ -9,6 +9,10 @@ Retries never outlast a stop: `Resilient` takes a ``stopping`` event (the daemon
 it is set no attempt starts (a canary whose turn had not come is recorded as ``stopped``, unsent), a
 backoff wait wakes up at once, and what was in flight ends at its own deadline (``timeout_s``), so a stop
 waits for one attempt at most, however many retries were configured.
+
+A daemon bounds its requests in flight across all its backends (``[daemon] max_in_flight``): ``gate`` is
+held around each attempt and each snapshot, and an attempt that waited for it while a stop came is not
+sent.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING
@@ -97,9 +102,14 @@ class Resilient:
     """
 
     def __init__(
-        self, prober: Prober, settings: BackendSettings, stopping: threading.Event | None = None
+        self,
+        prober: Prober,
+        settings: BackendSettings,
+        stopping: threading.Event | None = None,
+        gate: AbstractContextManager | None = None,
     ) -> None:
         self.prober = prober
+        self.gate = gate if gate is not None else nullcontext()
         self.name, self.kind = prober.name, prober.kind
         self.retry = RetryPolicy(settings.retries, settings.retry_backoff, settings.retry_max_wait)
         self.breaker = CircuitBreaker(settings.breaker_failures, settings.breaker_cooldown)
@@ -115,7 +125,8 @@ class Resilient:
         """The kind's snapshot, stamped with the version of canaryd's recording rules (`stack.stamped`)."""
         if self.stopping.is_set():
             raise BackendUnavailable(ErrorKind.STOPPED, "not probed: canaryd is stopping")
-        return stamped(self.prober.snapshot())
+        with self.gate:
+            return stamped(self.prober.snapshot())
 
     def request(self, canary: Canary) -> dict:
         return self.prober.request(canary)
@@ -133,10 +144,7 @@ class Resilient:
         """Send one canary, retrying transient failures; never raises."""
         started = utcnow()
         if self.stopping.is_set():
-            obs = self._unsent(canary, started)
-            obs.error_kind, obs.attempts = ErrorKind.STOPPED, 0
-            obs.error = "not sent: canaryd is stopping"
-            return obs
+            return self._stopped(canary, started)
         if not self.breaker.allow():
             obs = self._unsent(canary, started)
             obs.error_kind, obs.attempts = ErrorKind.CIRCUIT_OPEN, 0
@@ -144,7 +152,13 @@ class Resilient:
             return obs
         attempt, stopped = 1, False
         while True:
-            obs = self._attempt(canary, started)
+            with self.gate:
+                if self.stopping.is_set():  # it came while this attempt waited for the gate
+                    if attempt == 1:
+                        return self._stopped(canary, started)
+                    attempt, stopped = attempt - 1, True
+                    break
+                obs = self._attempt(canary, started)
             obs.attempts = attempt
             if (
                 obs.ok
@@ -172,6 +186,12 @@ class Resilient:
             obs = self._unsent(canary, started)
             obs.error_kind, obs.error = ErrorKind.INTERNAL, f"{e.__class__.__name__}: {str(e)[:300]}"
         obs.started_at = started
+        return obs
+
+    def _stopped(self, canary: Canary, started: datetime) -> Observation:
+        obs = self._unsent(canary, started)
+        obs.error_kind, obs.attempts = ErrorKind.STOPPED, 0
+        obs.error = "not sent: canaryd is stopping"
         return obs
 
     def _unsent(self, canary: Canary, started: datetime) -> Observation:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from canaryd.backends import make_backend
 from canaryd.canaries import Canary, load_suites
 from canaryd.config import Config
+from canaryd.daemon.capacity import Gate
 from canaryd.daemon.refused import Guarded
 from canaryd.errors import InputError
 from canaryd.probe.run import plan
@@ -36,8 +37,11 @@ class Generation:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
-    def build(cls, config: Config, stopping: threading.Event | None = None) -> Generation:
-        """Validate everything a pass needs up front, so a bad reload never reaches the scheduler."""
+    def build(
+        cls, config: Config, stopping: threading.Event | None = None, gate: Gate | None = None
+    ) -> Generation:
+        """Validate everything a pass needs up front, so a bad reload never reaches the scheduler.
+        ``gate``: the daemon's in-flight cap, which every generation's backends share."""
         suites = load_suites([s.path for s in config.suites], config.limits.suite_bytes)
         names = {s.name for s in suites}
         full = plan(config, suites)
@@ -61,7 +65,7 @@ class Generation:
                 if s < lease_s.get(b, float("inf")):
                     lease_s[b], lead[b], gap_s[b] = s, sched.name, sched.longest_gap_s
         # each backend holds back what it refused as configured until this generation is replaced (reload)
-        backends = {b.name: Guarded(make_backend(b, stopping)) for b in config.backends}
+        backends = {b.name: Guarded(make_backend(b, stopping, gate)) for b in config.backends}
         return cls(config, backends, work, lease_s, lead, gap_s, interval_s)
 
     def work_pairs(self) -> dict[str, set[str]]:

@@ -29,6 +29,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 from prometheus_client import (
     CollectorRegistry,
@@ -126,6 +127,7 @@ class Metrics:
         self._fingerprints: dict[str, deque[tuple[float, str]]] = {}
         self._configurations: dict[str, deque[tuple[float, str]]] = {}
         self._lease: dict[str, bool] = {}
+        self._batch = threading.local()  # `batched`: its depth in this thread, and whether a publish is due
 
     def _add(self, registry: CollectorRegistry, collector):
         """``collector`` on ``registry`` (live or per pass) and on ``self.registry`` (every series)."""
@@ -200,8 +202,24 @@ class Metrics:
                 for state in (self._stack_labels, self._stack_hash, self._fingerprints, self._configurations):
                     state.pop(backend, None)
             self.lease_held.labels(backend).set(1 if held else 0)
-        if changed:
+        if changed and getattr(self._batch, "depth", 0):
+            self._batch.due = True
+        elif changed:
             self.publish()
+
+    @contextmanager
+    def batched(self) -> Iterator[None]:
+        """This thread's lease changes within publish once, at the end: a claim of a thousand backends
+        renders the exposition once, not once per backend (another thread's change publishes at once)."""
+        batch = self._batch
+        batch.depth = getattr(batch, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            batch.depth -= 1
+            if batch.depth == 0 and getattr(batch, "due", False):
+                batch.due = False
+                self.publish()
 
     def set_config_errors(self, backend: str, refused: int) -> None:
         """How many of the backend's canaries it refused as configured (and are not re-sent)."""

@@ -17,6 +17,10 @@ while the scheduler thread lives.
 Fleets: daemons sharing one PostgreSQL database claim each pass's backends first (`canaryd.store.leases`)
 and probe only those they hold, so each backend is probed by one live daemon per interval; a clean stop
 releases the leases. Every pass logs ``pass.start``/``pass.done`` per backend, with counts.
+
+Load: the passes' backends run on one pool of ``[daemon] max_in_flight`` threads, and every request holds
+the daemon's `Gate` of as many slots (`canaryd.daemon.capacity`); a pass longer than its interval is
+counted and logged with the backends that made it late.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from apscheduler.triggers.interval import IntervalTrigger
 from canaryd.canaries import Canary
 from canaryd.config import Config, ScheduleConfig, load_config
 from canaryd.daemon import sdnotify, signals
+from canaryd.daemon.capacity import NAMED, Gate, late_backends
 from canaryd.daemon.generation import Generation
 from canaryd.daemon.httpserver import MetricsServer
 from canaryd.daemon.metrics import Metrics
@@ -100,7 +105,10 @@ class Daemon:
             fingerprint_window_s=config.daemon.fingerprint_window, label_length=config.limits.label_length
         )
         self.store = open_store(config)
-        self.gen = Generation.build(config, self.stop_event)
+        self.gate = Gate(config.daemon.max_in_flight)  # every generation's backends share it
+        self.metrics.requests_in_flight.set_function(lambda: self.gate.in_flight)
+        self.pool = ThreadPoolExecutor(max_workers=config.daemon.max_in_flight, thread_name_prefix="backend")
+        self.gen = Generation.build(config, self.stop_event, self.gate)
         self.tenure = Tenure(self.store, self.metrics)
         self._taken: dict[str, float] = {}  # backend -> when (monotonic) a takeover pass probed it
         self._busy: set[str] = set()  # backends a pass of this daemon is probing now
@@ -117,6 +125,7 @@ class Daemon:
     def _pass(self, schedule: str, takeover: str | None = None) -> None:
         """A pass of the schedule: of the backends this daemon holds, or of one backend it takes over."""
         gen = self.gen
+        begun = time.monotonic()
         gen.acquire()
         structlog.contextvars.bind_contextvars(schedule=schedule)  # job threads don't inherit context
         mine: set[str] = set()
@@ -131,26 +140,29 @@ class Daemon:
             held = self._claim(gen, list(work)) if work else set()
             mine = self._choose(gen, schedule, held, takeover)
             work = self._affordable(gen, schedule, {b: cs for b, cs in work.items() if b in mine})
-            with ThreadPoolExecutor(max_workers=max(1, len(work)), thread_name_prefix="backend") as ex:
-                futures = {
-                    b: ex.submit(self._probe, gen, schedule, b, canaries) for b, canaries in work.items()
-                }
-                # each backend on its own: one that fails (probing, storing or recording) costs its own
-                # series, and its canaries count as failed probes, so the failing-probes alert sees it
-                for b, f in futures.items():
+            started: dict[str, float] = {}
+            finished: dict[str, float] = {}
+            futures = {
+                b: self.pool.submit(self._timed, started, finished, gen, schedule, b, canaries)
+                for b, canaries in work.items()
+            }
+            # each backend on its own: one that fails (probing, storing or recording) costs its own
+            # series, and its canaries count as failed probes, so the failing-probes alert sees it
+            for b, f in futures.items():
+                try:
+                    self.metrics.record(f.result())
+                    self.metrics.set_config_errors(b, len(gen.backends[b].refused))
+                except Exception:
+                    log.exception("backend_pass_failed", backend=b)
+                    ids = [i for c in work[b] for i in c.observed_ids()]
                     try:
-                        self.metrics.record(f.result())
-                        self.metrics.set_config_errors(b, len(gen.backends[b].refused))
+                        self.metrics.record_failed(b, ids)
                     except Exception:
-                        log.exception("backend_pass_failed", backend=b)
-                        ids = [i for c in work[b] for i in c.observed_ids()]
-                        try:
-                            self.metrics.record_failed(b, ids)
-                        except Exception:
-                            log.exception("backend_pass_failed_unrecorded", backend=b)
+                        log.exception("backend_pass_failed_unrecorded", backend=b)
             self.metrics.publish()  # render the pass once; scrapes serve it until the next
             if takeover is None:
                 self.metrics.schedule_last.labels(schedule).set(time.time())
+                self._overran(gen, schedule, begun, started, finished)
         except Exception:
             log.exception("pass_failed")
         finally:
@@ -196,6 +208,48 @@ class Daemon:
                 self.metrics.budget_skips.labels(b).inc()
         return fits
 
+    def _timed(
+        self,
+        started: dict[str, float],
+        finished: dict[str, float],
+        gen: Generation,
+        schedule: str,
+        backend: str,
+        canaries: list[Canary],
+    ) -> BackendRun:
+        """`_probe`, with when it started and finished (a failed one too): which backends made a pass late."""
+        started[backend] = time.monotonic()
+        try:
+            return self._probe(gen, schedule, backend, canaries)
+        finally:
+            finished[backend] = time.monotonic()
+
+    def _overran(
+        self,
+        gen: Generation,
+        schedule: str,
+        begun: float,
+        started: dict[str, float],
+        finished: dict[str, float],
+    ) -> None:
+        """The pass's duration as a gauge; one longer than its schedule's interval is counted and logged,
+        naming the backends still probing when the interval was up (the slowest first)."""
+        took, interval = time.monotonic() - begun, gen.interval_s[schedule]
+        self.metrics.schedule_duration.labels(schedule).set(took)
+        overruns = self.metrics.schedule_overruns.labels(schedule)
+        if took <= interval:
+            return
+        overruns.inc()
+        late = late_backends(interval, started, finished, begun)
+        log.warning(
+            "pass_overran",
+            duration_s=round(took, 3),
+            interval_s=interval,
+            late=len(late),
+            backends=late[:NAMED],
+            in_flight_cap=self.gate.limit,
+        )
+
     def _probe(self, gen: Generation, schedule: str, backend: str, canaries: list[Canary]) -> BackendRun:
         """One backend's share of a pass, logged at its start and end with what it found."""
         log.info("pass.start", schedule=schedule, backend=backend, canaries=len(canaries))
@@ -218,7 +272,8 @@ class Daemon:
         is due just before the holder's next pass: if the holder was killed (its presence gone), this
         daemon probes the backend then, on the holder's schedule; if it is alive, that pass only claims,
         and asks again when the lease ends (a hung holder's backends are taken over then)."""
-        held, ends_in = self.tenure.claim(gen.lease_s, backends)
+        with self.metrics.batched():
+            held, ends_in = self.tenure.claim(gen.lease_s, backends)
         if not self.stop_event.is_set():
             for b, seconds in ends_in.items():
                 due = seconds - (gen.lease_s[b] - gen.gap_s[b])  # the holder's next pass, without jitter
@@ -269,6 +324,7 @@ class Daemon:
         self.scheduler.remove_all_jobs()
         intervals = []
         for s in gen.config.schedules:
+            self.metrics.schedule_overruns.labels(s.name)  # 0 from the start: an alert sees the first
             self.scheduler.add_job(
                 self._job,
                 trigger_for(s),
@@ -338,7 +394,7 @@ class Daemon:
         sdnotify.reloading()
         try:
             config = load_config(self.config_path)
-            gen = Generation.build(config, self.stop_event)
+            gen = Generation.build(config, self.stop_event, self.gate)
         except InputError as e:
             self.metrics.reload_failures.inc()
             log.error("reload_rejected", error=str(e))
@@ -369,6 +425,7 @@ class Daemon:
         with self._idle:
             done = self._idle.wait_for(lambda: self._in_flight == 0, timeout=bound)
         if done:
+            self.pool.shutdown(wait=False)  # idle: every pass is done
             self.gen.retire()
             try:  # the fleet's other daemons take these backends over at their next pass, not at expiry
                 released = self.store.release_leases()

@@ -286,7 +286,10 @@ class NoiseModel:
     @classmethod
     def from_dict(cls, doc: dict) -> NoiseModel:
         """The stored model; `CalibrationError` when it holds values no calibration can have produced
-        (unusable logprobs, a spread or distance that is not a finite positive number)."""
+        (unusable logprobs, a spread or distance that is not a finite positive number). A document the
+        store holds between passes (`canaryd.store.cache.Doc`) keeps the model: it is parsed once."""
+        if (parsed := getattr(doc, "parsed", None)) is not None:
+            return parsed
         model = cls(
             request_hash=doc["request_hash"],
             refs=tuple(Point.from_list(r) for r in doc["refs"]),
@@ -305,6 +308,8 @@ class NoiseModel:
             raise CalibrationError("a spread is not a finite positive number")
         if not model.loo or not all(math.isfinite(v) and v >= 0 for v in model.loo):
             raise CalibrationError("a leave-one-out distance is not a finite number >= 0")
+        if hasattr(doc, "parsed"):
+            doc.parsed = model  # type: ignore[attr-defined]
         return model
 
 

@@ -105,7 +105,7 @@ def probe_backend(
             bound.exception("send_failed", canary=canary.id)
             return _missing(backend.name, canary, ErrorKind.INTERNAL, f"sending failed: {_describe(e)}")
 
-    with _workers(f"probe-{backend.name}", backend.concurrency) as ex:
+    with _workers("probe", backend.concurrency) as ex:
         sent = list(ex.map(progress.counted(one), canaries))
     for observations in sent:
         for obs in observations:
@@ -347,6 +347,9 @@ def _noted(c: Comparison, why: str) -> Comparison:
 
 _IDLE: dict[tuple[str, int, int], list[ThreadPoolExecutor]] = {}  # (name, workers, pid) → idle pools
 _IDLE_LOCK = threading.Lock()
+# Idle pools kept per name and size: as many as the passes that ran at once, up to this (a daemon probes
+# at most ``max_in_flight`` backends at once, each on a pool of its concurrency, whichever backend it is).
+KEEP_IDLE = 64
 
 
 @contextmanager
@@ -354,7 +357,8 @@ def _workers(name: str, concurrency: int) -> Iterator[ThreadPoolExecutor]:
     """A pool of ``concurrency`` threads named ``name`` for one pass (of a backend's canaries, or of the
     backends), its own for the pass as before, but kept for a later pass once this one is done: starting
     the threads again cost as much CPU as a probe. Passes at once each take their own pool; a pass that
-    fails shuts its pool down, as before."""
+    fails shuts its pool down, as before. Backends share the pools of their size (not one per backend:
+    a thousand backends would keep thousands of idle threads)."""
     key = (name, concurrency, os.getpid())  # a forked child never takes its parent's threads
     with _IDLE_LOCK:
         idle = _IDLE.setdefault(key, [])
@@ -367,7 +371,7 @@ def _workers(name: str, concurrency: int) -> Iterator[ThreadPoolExecutor]:
         ex.shutdown(wait=True)
         raise
     with _IDLE_LOCK:
-        if len(idle) < 2:
+        if len(idle) < KEEP_IDLE:
             idle.append(ex)
             return
     ex.shutdown(wait=True)

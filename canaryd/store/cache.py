@@ -8,9 +8,10 @@ made it (``baseline accept``, ``baseline calibrate``, another daemon of a fleet)
 baselines and calibrations are those in memory, and the pass reads no row of them. Changed (or never
 read): the backend's are loaded whole, in four statements (`canaryd.store.queries.Queries.judging`).
 
-Content-addressed rows (stack, payload, request) are immutable, so the keys known to exist are kept too,
-and the writes skip their look-ups. A prune (by any process) may delete one: the write that refers to it
-then fails its foreign key, and `Writes.record` forgets the known keys and writes again with look-ups.
+Content-addressed rows (stack, payload, request, outcome) are immutable, so the keys known to exist are kept
+too (an outcome's with its row id, which its events refer to), and the writes skip their look-ups. A prune (by
+any process) may delete one: the write that refers to it then fails its foreign key, and `Writes.record`
+forgets the known keys and writes again with look-ups.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from canaryd.observation import Observation
 from canaryd.store.records import Baseline, Reads, latest, latest_configuration
 
 Generation = tuple
+OUTCOMES_MAX = 100_000  # outcome ids kept (about 10 MB); more starts over
 
 # One statement, read before anything it guards: a change committed after it is seen by the next pass.
 _GENERATION = """
@@ -36,6 +38,18 @@ _SECONDS = {  # a timestamp as a number, so that its sum moves when any row's do
     "sqlite": ("julianday(accepted_at)", "julianday(created_at)"),
     "postgresql": ("extract(epoch from accepted_at)", "extract(epoch from created_at)"),
 }
+
+
+class Doc(dict):
+    """A calibration's stored model as `Loaded` holds it between passes: `NoiseModel.from_dict` keeps what
+    it parsed here, so each pass's four reads of it (first contact, judging, learning, the still-learning
+    check) parse it once per generation. A stored model never changes in place: a new one is a new row."""
+
+    __slots__ = ("parsed",)
+
+    def __init__(self, doc: dict) -> None:
+        super().__init__(doc)
+        self.parsed = None
 
 
 def generation(conn: Connection) -> Generation:
@@ -65,6 +79,7 @@ class Cache:
         self._generation: Generation | None = None
         self._loaded: dict[str, Loaded] = {}
         self.known: set[str] = set()  # stack, payload and request hashes that exist (one key space: sha256)
+        self.outcomes: dict[str, int] = {}  # outcome hash -> its row's id
 
     def current(self, backend: str, seen: Generation) -> Loaded | None:
         """The backend's `Loaded` if it is as of ``seen``; a new generation forgets every backend's."""
@@ -80,9 +95,13 @@ class Cache:
             if seen == self._generation:
                 self._loaded[backend] = loaded
 
-    def learn(self, keys: Iterable[str]) -> None:
+    def learn(self, keys: Iterable[str], outcomes: dict[str, int] | None = None) -> None:
         with self._lock:
             self.known.update(keys)
+            if outcomes:
+                if len(self.outcomes) + len(outcomes) > OUTCOMES_MAX:  # answers that keep changing
+                    self.outcomes = {}
+                self.outcomes.update(outcomes)
 
     def forget(self) -> None:
         """Drop everything (a prune deleted rows, or a write found a known key gone)."""
@@ -90,6 +109,7 @@ class Cache:
             self._generation = None
             self._loaded.clear()
             self.known = set()
+            self.outcomes = {}
 
 
 _SHARED: dict[str, Cache] = {}

@@ -185,9 +185,17 @@ def insert_ignore(s: Session, table: type[SQLModel], **values: object) -> bool:
     ``INSERT ... ON CONFLICT DO NOTHING``: when several processes (a fleet on one PostgreSQL, or the daemon
     and a CLI on one SQLite file) store the same content at once, one row results and nobody fails. On
     PostgreSQL a concurrent inserter of the same key waits for the first transaction and then does nothing.
-    Core statements on the session's connection (the ORM adds nothing here but time).
+    Core statements on the session's connection (the ORM adds nothing here but time), one per dialect and
+    table, built once: the values go as parameters (building a statement with them cost more than running it).
     """
-    return s.connection().execute(insert_of(s, table).values(**values).on_conflict_do_nothing()).rowcount > 0
+    key = (s.get_bind().dialect.name, table.__tablename__)
+    stmt = _INSERT_IGNORE.get(key)
+    if stmt is None:
+        stmt = _INSERT_IGNORE[key] = insert_of(s, table).on_conflict_do_nothing()
+    return s.connection().execute(stmt, values).rowcount > 0
+
+
+_INSERT_IGNORE: dict[tuple[str, str], object] = {}
 
 
 # -- Alembic: what autogenerate compares -----------------------------------------------------------------

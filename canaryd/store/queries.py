@@ -17,7 +17,7 @@ from sqlalchemy import select as select_core
 from sqlmodel import Session, col, select
 
 from canaryd.observation import ErrorKind, Observation
-from canaryd.store.cache import Judging, Loaded, generation
+from canaryd.store.cache import Doc, Judging, Loaded, generation
 from canaryd.store.engine import Connected
 from canaryd.store.records import (
     Baseline,
@@ -111,7 +111,7 @@ def _judged_against(s: Session, backend: str) -> tuple[Loaded, set[str]]:
         baselines[(row.canary_id, keys[row.id])] = Baseline(row.id, obs, row.correct)  # type: ignore[arg-type]
         known.update(h for h in (row.stack_hash, row.payload_hash, obs.request_ref) if h)
     q = select_core(c.canary_id, c.configuration, c.model).where(c.backend == backend)
-    calibrations = {(cid, k): model for cid, k, model in conn.execute(q)}
+    calibrations = {(cid, k): Doc(m) if isinstance(m, dict) else m for cid, k, m in conn.execute(q)}
     return Loaded(baselines, calibrations), known
 
 

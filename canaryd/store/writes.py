@@ -11,6 +11,7 @@ writes of what judging reads are there too, and retention is in ``maintenance``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import structlog
 from sqlalchemy import bindparam, update
@@ -41,6 +42,15 @@ DETERMINISM_BROKEN = "determinism-broken"
 
 
 Written = tuple[Observation, ComparisonLike, "int | None"]  # what `Writes.record` takes per observation
+
+
+class Known(NamedTuple):
+    """What a write takes as existing without a look-up: content keys, and outcome hashes with their ids."""
+
+    keys: set[str]
+    outcomes: dict[str, int]
+
+
 log = structlog.get_logger("canaryd.store")
 
 
@@ -85,10 +95,12 @@ class Writes(Connected):
     ) -> int:
         """Write one observation in a transaction of its own (`record` writes a pass's in one)."""
         learned: set[str] = set()
+        found: dict[str, int] = {}
         with self._session() as s:
-            event_id = self._write(s, run_id, (obs, comparison, baseline_id), set(), learned)
+            item = (obs, comparison, baseline_id)
+            event_id = self._write(s, run_id, item, Known(set(), {}), learned, found)
             s.commit()
-        self._cache.learn(learned)
+        self._cache.learn(learned, found)
         return event_id
 
     def record(self, run_id: int, items: Sequence[Written], canaries: int) -> list[int | Exception]:
@@ -101,10 +113,12 @@ class Writes(Connected):
         for the caller to record something else).
         """
         learned: set[str] = set()
+        found: dict[str, int] = {}
+        known = Known(self._cache.known, self._cache.outcomes)
         try:
             with self._session() as s:
                 ids: list[int | Exception] = [
-                    self._write(s, run_id, item, self._cache.known, learned) for item in items
+                    self._write(s, run_id, item, known, learned, found) for item in items
                 ]
                 self._finish(s, run_id, canaries)
                 s.commit()
@@ -119,35 +133,37 @@ class Writes(Connected):
                     ids.append(failed)
             self.finish_run(run_id, canaries)
             return ids
-        self._cache.learn(learned)
+        self._cache.learn(learned, found)
         return ids
 
-    def _write(self, s: Session, run_id: int, item: Written, known: set[str], learned: set[str]) -> int:
+    def _write(
+        self, s: Session, run_id: int, item: Written, known: Known, learned: set[str], found: dict[str, int]
+    ) -> int:
         """One observation into ``s``; what it shares with earlier ones is stored once.
 
         The stack, payload, request and outcome are content-addressed, so an identical repeat adds one
         ``event`` row (time, latency, headers) and nothing else. A key in ``known`` exists; any other is
         looked up (the common case: it exists, and nothing is sent or locked) and otherwise inserted with ON
         CONFLICT DO NOTHING, so a concurrent writer of the same content is no error. Keys now known to exist
-        go to ``learned``.
+        go to ``learned``, outcomes' with their ids to ``found``.
         """
         obs, comparison, baseline_id = item
         verdict = str(comparison.verdict.value)
         stack_hash = None
         if obs.stack:
             stack_hash = hash_of(obs.stack)
-            if stack_hash not in known and not self._exists(s, StackRow, stack_hash):
+            if stack_hash not in known.keys and not self._exists(s, StackRow, stack_hash):
                 insert_ignore(s, StackRow, hash=stack_hash, fields=obs.stack, first_seen=obs.started_at)
             learned.add(stack_hash)
         payload_hash = None
         if obs.tokens:
             payload_hash, canonical = payload_key(obs.tokens)
-            if payload_hash not in known and not self._exists(s, PayloadRow, payload_hash):
+            if payload_hash not in known.keys and not self._exists(s, PayloadRow, payload_hash):
                 data = compress_payload(canonical)
                 insert_ignore(s, PayloadRow, hash=payload_hash, format=PAYLOAD_FORMAT, data=data)
             learned.add(payload_hash)
         ref = obs.request_ref
-        if ref not in known and not self._exists(s, RequestRow, ref):
+        if ref not in known.keys and not self._exists(s, RequestRow, ref):
             insert_ignore(s, RequestRow, hash=ref, body=obs.request)
         learned.add(ref)
         fields = {
@@ -175,11 +191,14 @@ class Writes(Connected):
         }
         outcome_hash = canonical_digest(fields)
         by_hash = _BY_HASH["outcome"], {"key": outcome_hash}
-        outcome_id = s.connection().execute(*by_hash).scalar()
+        outcome_id = known.outcomes.get(outcome_hash) or found.get(outcome_hash)
+        if outcome_id is None:
+            outcome_id = s.connection().execute(*by_hash).scalar()
         if outcome_id is None:
             insert_ignore(s, OutcomeRow, hash=outcome_hash, **fields)
             # ours, or a concurrent writer's (committed by now: our insert waited for it)
             outcome_id = s.connection().execute(*by_hash).scalar_one()
+        found[outcome_hash] = outcome_id
         event = {
             "run_id": run_id,
             "outcome_id": outcome_id,

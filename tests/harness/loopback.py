@@ -5,12 +5,13 @@ does with a request (``{server.base("drip-body")}/chat/completions``), so one se
 client's pooled connection can meet several. Every request is recorded (method, path, headers, body).
 
 Modes: ``ok`` (a chat or legacy completion body with logprobs; ``GET …/models``, ``…/version``, ``…/metrics``
-and ``POST …/tokenize`` answer too), ``gzip`` (the same, gzip-encoded), ``drip-body`` / ``drip-headers`` (one
-byte per ``drip_s``, forever), ``hang`` (reads the request, never answers), ``big`` (a 50 MB chunked body),
-``big-declared`` (a 50 MB body announced by Content-Length), ``gzip-bomb`` (50 MB of zeros, gzip-encoded:
-about 50 kB on the wire), ``429`` (Retry-After: 7), ``503``, ``503-big`` (with a 50 MB page), ``401``
-(echoes the Authorization header back), ``cut`` (half the announced body, then the connection closes),
-``badjson``.
+and ``POST …/tokenize`` answer too), ``slow`` (the same, completions after ``delay_s``: a server's time per
+probe; ``peak`` counts the most requests it held at once), ``gzip`` (the same, gzip-encoded), ``drip-body`` /
+``drip-headers`` (one byte per ``drip_s``, forever), ``hang`` (reads the request, never answers), ``big`` (a
+50 MB chunked body), ``big-declared`` (a 50 MB body announced by Content-Length), ``gzip-bomb`` (50 MB of
+zeros, gzip-encoded: about 50 kB on the wire), ``429`` (Retry-After: 7), ``503``, ``503-big`` (with a 50 MB
+page), ``401`` (echoes the Authorization header back), ``cut`` (half the announced body, then the connection
+closes), ``badjson``.
 """
 
 from __future__ import annotations
@@ -92,8 +93,11 @@ class Request:
 
 
 class Loopback:
-    def __init__(self, drip_s: float = 1.0) -> None:
+    def __init__(self, drip_s: float = 1.0, delay_s: float = 0.2) -> None:
         self.drip_s = drip_s
+        self.delay_s = delay_s
+        self.in_flight = self.peak = 0
+        self._counting = threading.Lock()
         self.requests: list[Request] = []
         self.stopping = threading.Event()
         self._sock = socket.create_server(("127.0.0.1", 0))
@@ -180,7 +184,17 @@ class Loopback:
     def _answer(self, conn: socket.socket, path: str, headers: dict[str, str]) -> bool:
         """Answer one request; False closes the connection."""
         mode = path.split("/")[1]
-        if mode in ("ok", "gzip"):
+        if mode == "slow" and path.endswith("completions"):
+            with self._counting:
+                self.in_flight += 1
+                self.peak = max(self.peak, self.in_flight)
+            try:
+                self._wait(self.delay_s)
+            finally:
+                with self._counting:
+                    self.in_flight -= 1
+            return self._send(conn, "200 OK", json.dumps(self._document(path)).encode())
+        if mode in ("ok", "gzip", "slow"):
             doc = self._document(path)
             if mode == "gzip":
                 return self._send(
