@@ -6,19 +6,20 @@ member, not necessarily the one that answered a given canary: a float32 and a bf
 ``random`` give a different ``num_gpu_blocks`` from pass to pass, and compared with the baseline member's
 they would be a ``stack-change`` on every pass that is only the balancer's choice.
 
-The rule. A backend is a **fleet** when this pass's answers or its stored baselines show more than one
-serving configuration (`canaryd.stack.configuration_of`). On a fleet, the snapshot's server-side fields
-are attributed to an answer only when the snapshot itself names the configuration that served it (its own
-identity fields, as an answer's) and that is the answer's configuration: they are then compared within it,
-against that configuration's baseline. Otherwise the answer's stack carries ``snapshot.attribution =
-unattributable``: its server-side fields are still recorded, as read, but whenever either side of a
-comparison (an answer and its baseline, a pin and a pass) is so marked they are set aside, never a
-``stack-change`` on their own. vLLM 0.32 names its configuration only in answers (``system_fingerprint``;
-``/metrics``, ``/version`` and ``/server_info`` do not), so through a balancer its snapshot is
-unattributable. A member that changes is still reported through its answers: new weights behind the same
-fingerprint move its configuration's answers (drift of that configuration), and a restart in another dtype
-is a new fingerprint (a ``new-configuration``). Server-side fields are all but canaryd's own request facts
-and each answer's own fields (`ATTRIBUTABLE`).
+The rule. A backend is a **fleet** when this pass (its answers and first-contact probes) or its stored
+baselines show more than one serving configuration (`canaryd.stack.configuration_of`); the only server
+replaced (one configuration known, another alone in the pass) is not one. On a fleet, the snapshot's
+server-side fields are attributed to an answer only when the snapshot itself names the configuration that
+served it (its own identity fields, as an answer's) and that is the answer's configuration: they are then
+compared within it, against that configuration's baseline. Otherwise the answer's stack carries
+``snapshot.attribution = unattributable``: its server-side fields are still recorded, as read, but
+whenever either side of a comparison (an answer and its baseline, a pin and a pass) is so marked they are
+set aside, never a ``stack-change`` on their own. vLLM 0.32 names its configuration only in answers
+(``system_fingerprint``; ``/metrics``, ``/version`` and ``/server_info`` do not), so through a balancer its
+snapshot is unattributable. A member that changes is still reported through its answers: new weights
+behind the same fingerprint move its configuration's answers (drift of that configuration), and a restart
+in another dtype is a new fingerprint (a ``new-configuration``). Server-side fields are all but canaryd's
+own request facts and each answer's own fields (`ATTRIBUTABLE`).
 
 A configuration new to the backend that appears in a pass from which a configuration it knows is missing
 (neither an answer nor a first-contact probe reached it) is named as the one that replaced it
@@ -43,9 +44,11 @@ def server_side(field: str) -> bool:
     return field != MARK and not field.startswith(ATTRIBUTABLE)
 
 
-def is_fleet(served: Iterable[str], known: Iterable[str]) -> bool:
-    """More than one configuration among the pass's answers (``served``) and the stored baselines'."""
-    return len({*served, *known}) > 1
+def is_fleet(reached: Iterable[str], known: Iterable[str]) -> bool:
+    """More than one configuration in this pass (``reached``: its answers' and probes'), or more than one
+    with stored baselines (``known``). Not a new one alone beside the one known: the only server, replaced,
+    is compared field by field as before."""
+    return len(set(reached)) > 1 or len(set(known)) > 1
 
 
 def joined(snapshot: dict[str, str], answer: dict[str, str], fleet: bool) -> dict[str, str]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from canaryd.fleet import MARK, UNATTRIBUTABLE, comparable, joined, replacing
+from canaryd.fleet import MARK, UNATTRIBUTABLE, comparable, is_fleet, joined, replacing
 from canaryd.judge.compare import Verdict
 from canaryd.report.pin import Pin, PinnedBackend, check_pin
 from canaryd.stack import configuration_of
@@ -93,6 +93,17 @@ def test_a_pin_through_a_fleet_holds_whichever_member_answers_its_snapshot():
     assert check_pin(pin, {"f": {**fields, **BF16}}, "p", {"f": (A, B)}).matches
     moved = check_pin(pin, {"f": {**fields, **BF16, "request.model": "n"}}, "p", {"f": (A, B)})
     assert [f.field for f in moved.fields] == ["request.model"]
+
+
+def test_the_only_server_replaced_is_no_fleet_and_its_snapshot_is_compared_as_before(lab):
+    assert not is_fleet({"b"}, {"a"}) and is_fleet({"a", "b"}, {"a"}) and is_fleet({"b"}, {"a", "b"})
+    one = lab(scripted(stack=FP32, body=change(at=3, fingerprint="fp2", stack=BF16)))
+    one.cycle(), one.cycle()
+    replaced = one.cycle().results
+    assert {r.comparison.verdict for r in replaced} <= {Verdict.STACK_CHANGE, Verdict.LOGPROB_DRIFT}
+    for r in replaced:
+        assert MARK not in r.observation.stack
+        assert {c.field for c in r.comparison.stack_changes} >= {BLOCKS, "response.system_fingerprint"}
 
 
 # -- unchanged fleets ------------------------------------------------------------------------------------
