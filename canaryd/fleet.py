@@ -95,9 +95,10 @@ def hashed(fields: dict[str, str]) -> dict[str, str]:
 
 def replacing(new: str, reached: Iterable[str], known: Iterable[str]) -> str | None:
     """The reason a ``new-configuration`` gives when configurations the backend knows were reached by
-    nothing in this pass (``reached``: its answers' and probes' configurations): it replaced one of them."""
-    gone = sorted(set(known) - set(reached) - {new})
-    if not gone:
+    nothing in this pass (``reached``: its answers' and probes' configurations): it replaced one of them.
+    None for a configuration the backend knows (new only to the canary) or when every known one served."""
+    gone = sorted(set(known) - set(reached))
+    if new in known or not gone:
         return None
     which = gone[0] if len(gone) == 1 else "one of " + ", ".join(gone)
     return (

@@ -116,10 +116,10 @@ def first_contact(
             continue
         usable: dict[str, dict[int, list[Observation]]] = {o.canary_id: {} for o in due}
         for _ in range(FIRST_ROUNDS):
-            for size in sizes:
-                n = settings.learn_first // len(sizes) + (size == sizes[0]) * (
-                    settings.learn_first % len(sizes)
-                )
+            for i, size in enumerate(
+                sizes
+            ):  # split as `calibration_probes` splits k: the first take the rest
+                n = settings.learn_first // len(sizes) + (i < settings.learn_first % len(sizes))
                 with progress.quiet():  # not the pass's canaries: its progress line counts those
                     probes = shape.calibration_probes(backend, canary, canaries, k=n, batch_sizes=(size,))
                 for own in due:

@@ -110,8 +110,7 @@ def probe_backend(
     answers = [obs for observations in sent for obs in observations if obs.ok]
     for obs in answers:
         obs.stack = {**stack, **obs.stack}
-    served = {configuration_of(obs.stack) for obs in answers}
-    reached = set(served)  # what answered this pass, its first-contact probes included
+    reached = {configuration_of(obs.stack) for obs in answers}  # and, below, its first-contact probes'
     try:  # a canary without a noise model: is its backend exact? (`canaryd.probe.learn`)
         contacted = learn.first_contact(backend, canaries, sent, stack, store, config.compare, bound, reached)
     except Exception:  # learning failed: the canaries are judged as they stand, and the pass goes on

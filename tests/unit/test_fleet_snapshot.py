@@ -84,6 +84,7 @@ def test_a_newcomer_replaces_the_known_configurations_nothing_reached():
         "configuration c replaced configuration b, which served this backend before and nothing of this pass"
     )
     assert replacing("c", {"a", "b", "c"}, {"a", "b"}) is None  # a member joined
+    assert replacing("a", {"a", "c"}, {"a", "b"}) is None  # known to the backend, new only to a canary
     assert "one of a, b" in replacing("c", {"c"}, {"a", "b"})
 
 
@@ -151,12 +152,17 @@ def test_a_member_restarted_in_another_dtype_is_a_new_configuration_named_as_the
     assert [r.comparison.verdict for r in results(later) if r.comparison.verdict.is_drift] == []
     b2 = configuration_of({"response.system_fingerprint": "vllm-b2"})
     firsts = [r for r in results(later) if r.comparison.verdict is Verdict.NEW_CONFIG]
-    assert firsts and {configuration_of(r.observation.stack) for r in firsts} == {b2}
-    for r in firsts:
-        assert (
-            f"configuration {b2} replaced configuration {B}, which served this backend before"
-            in (r.comparison.reasons[-1])
-        )
+    on_b2 = [r for r in firsts if configuration_of(r.observation.stack) == b2]
+    met = {r.observation.canary_id for r in results(later) if configuration_of(r.observation.stack) == b2}
+    assert sorted(r.observation.canary_id for r in on_b2) == sorted(met) and met  # once each, at first
+    named = f"configuration {b2} replaced configuration {B}, which served this backend before"
+    # where the backend first meets it, the newcomer is named as the replacement (a canary the balancer
+    # had kept off A until now meets A then too: new to it, not a replacement)
+    first_pass = [r for r in later[0].results if r.comparison.verdict is Verdict.NEW_CONFIG]
+    assert [r for r in first_pass if r in on_b2]
+    for r in first_pass:
+        assert (named in r.comparison.reasons[-1]) == (r in on_b2), r.comparison.reasons
+    assert not [r for r in firsts if named in r.comparison.reasons[-1] and r not in on_b2]
     assert {configuration_of(r.observation.stack) for r in results(later)} == {A, b2}
 
 
