@@ -8,18 +8,20 @@ cd "$(dirname "$0")"
 # Real Prometheus, promtool, Alertmanager and PostgreSQL 15 for the tests, which start their own instances
 # on loopback ports (none of the packages' default services is used), headless Chromium, which opens
 # the HTML report, cmake, make and g++, which build llama.cpp's server, systemd's analyzers, which check
-# the unit, and Python's venv and pip, which setup.sh and the engines' scripts use.
+# the unit, nginx, the real balancer a fleet's e2e puts in front of two vLLM servers, and Python's venv and
+# pip, which setup.sh and the engines' scripts use.
 if ! command -v promtool >/dev/null || ! command -v prometheus-alertmanager >/dev/null \
     || ! [ -x /usr/lib/postgresql/15/bin/initdb ] || ! command -v chromium >/dev/null \
     || ! command -v cmake >/dev/null || ! command -v make >/dev/null || ! command -v g++ >/dev/null \
-    || ! command -v systemd-analyze >/dev/null \
+    || ! command -v systemd-analyze >/dev/null || ! [ -x /usr/sbin/nginx ] \
     || ! python3 -c "import ensurepip, venv" 2>/dev/null || ! python3 -m pip --version >/dev/null 2>&1; then
     sudo=()
     [ "$(id -u)" -eq 0 ] || sudo=(sudo)
     echo "test.sh: installing Debian packages (apt-get)" >&2
     "${sudo[@]}" apt-get update -qq
     "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-        prometheus prometheus-alertmanager postgresql chromium cmake make g++ systemd python3-venv python3-pip \
+        prometheus prometheus-alertmanager postgresql chromium cmake make g++ systemd nginx-light python3-venv \
+        python3-pip \
         >/dev/null
 fi
 # The engines the e2e suite runs for real beside vLLM, set up in the background while setup.sh installs

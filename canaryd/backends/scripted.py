@@ -52,7 +52,9 @@ reasoning tokens are not applied), in the settings or from a change on.
 ``fleet`` makes one backend a load-balanced fleet: each request is answered by one member, picked at
 random (seeded by ``seed``, weighted by ``weight``) or in turn (``fleet_pick = "round-robin"``), and each
 member has its own fingerprint, per-response stack fields and logprob offset (another dtype), so its
-answers come from its own serving configuration. A change with ``member`` changes that member alone:
+answers come from its own serving configuration. A member's ``snapshot`` fields are what its endpoints
+answer: the snapshot, read through the balancer, is one member's too (picked as a request is). A change with
+``member`` changes that member alone (its ``stack`` that member's snapshot):
 
     [[backends.fleet]]
     name = "fp32"
@@ -138,6 +140,7 @@ class Member(Strict):
     name: str
     fingerprint: str | None = None  # None: the backend's
     stack: dict[str, str] = Field(default_factory=dict)  # per-response fields (``response.provider`` ...)
+    snapshot: dict[str, str] = Field(default_factory=dict)  # what its endpoints answer (``metrics.*`` ...)
     logprob_shift: float = 0.0  # another dtype's numerics
     noise: Annotated[float, Field(ge=0)] | None = None  # None: the backend's
     noise_model: NoiseModel | None = None  # None: the backend's
@@ -225,12 +228,15 @@ class Prober:
                 f.write_text(str(self.cycle))
             # attempts are counted per cycle: a drill daemon running for days keeps only this one's
             self._attempts = {k: n for k, n in self._attempts.items() if k[0] >= self.cycle}
+        member = self._member(self.cycle, "snapshot")  # behind a balancer the snapshot is one member's too
         fields = {"backend.kind": self.kind, "request.model": self.cfg.model, "scripted.version": VERSION}
         fields.update(self.cfg.stack)
+        fields.update(member.snapshot if member else {})
         for change in self._active():
             if change.down:
                 raise BackendUnavailable(ErrorKind.CONNECT, f"scripted backend {self.name!r} is down")
-            fields.update(change.stack)
+            if change.member is None or (member and change.member == member.name):
+                fields.update(change.stack)
         return fields
 
     def request(self, canary: Canary) -> dict:
@@ -330,14 +336,15 @@ class Prober:
         obs.stack = {"response.model": self.cfg.model, "response.system_fingerprint": fingerprint}
         obs.stack.update(member.stack if member else {})
 
-    def _member(self, draw: int) -> Member | None:
-        """The fleet member that answers the ``draw``-th request (None: no fleet)."""
+    def _member(self, draw: int, stream: str = "fleet") -> Member | None:
+        """The fleet member that answers the ``draw``-th request of ``stream`` (the probes', or the
+        snapshots': one per cycle) (None: no fleet)."""
         fleet = self.cfg.fleet
         if not fleet:
             return None
         if self.cfg.fleet_pick == "round-robin":
             return fleet[(draw - 1) % len(fleet)]
-        rng = random.Random(f"{self.seed}:fleet:{draw}")
+        rng = random.Random(f"{self.seed}:{stream}:{draw}")
         return rng.choices(fleet, weights=[m.weight for m in fleet])[0]
 
     # -- scoring: teacher forcing a given continuation (forced canaries, reference checks) ------------

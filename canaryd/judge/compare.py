@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from canaryd.fleet import comparable, set_aside
 from canaryd.judge.evidence import Evidence, cycle_evalue
 from canaryd.judge.signals import combine, score_signals
 from canaryd.judge.stats import DetectorState, NoiseModel, common_prefix, cusum, min_out_for, out_bound, score
@@ -227,7 +228,8 @@ def compare(
         else token_delta(baseline.tokens, current.tokens)
     )
     text_identical = baseline.text == current.text
-    changed, recorded = split(baseline.stack, current.stack)
+    before, after, aside = comparable(baseline.stack, current.stack)  # a fleet's snapshot (`canaryd.fleet`)
+    changed, recorded = split(before, after)
     stack_changes, recording_changes = tuple(changed), tuple(recorded)
     fingerprint_changed = baseline.system_fingerprint != current.system_fingerprint
     usage = _usage_changes(baseline, current, text_basis)
@@ -241,6 +243,8 @@ def compare(
     if stack_changes:
         reasons.append(f"stack changed ({len(stack_changes)} field{'s' if len(stack_changes) > 1 else ''})")
     reasons.extend(usage)
+    if aside:
+        reasons.append(set_aside(aside))
 
     tokens_same = delta.first_divergence is None and text_identical
     moved = max(delta.max_abs_dlogprob or 0.0, delta.max_abs_dtop or 0.0)

@@ -86,6 +86,9 @@ def _usable(probes: Sequence[Observation], own: Observation, stack: dict[str, st
     return out
 
 
+FIRST_ROUNDS = 5  # rounds of first-contact probes, at most, to reach a fleet member's configuration enough
+
+
 def first_contact(
     backend: Backend,
     canaries: Sequence[Canary],
@@ -94,12 +97,19 @@ def first_contact(
     store: Store,
     settings: CompareConfig,
     bound: Any,
+    reached: set[str] | None = None,
 ) -> set[str]:
-    """First contact for every canary of the pass that is due it (all its answers ok); returns their ids."""
+    """First contact for every canary of the pass that is due it (all its answers ok); returns their ids,
+    and adds the configurations its probes reached to ``reached``.
+
+    "Exact" needs the evidence of ``own``'s own configuration: at least ``learn_first`` of its probes, one
+    crowded among them where the backend takes crowded batches. Behind a balancer a probe may reach
+    another member, so up to `FIRST_ROUNDS` rounds are sent; a configuration still short of that learns."""
     done: set[str] = set()
     if not settings.learn:
         return done
     reads = store.judging(backend.name)
+    sizes = _sizes(backend, settings, alone=True)
     for canary, observations in zip(canaries, sent, strict=True):
         shape = shape_of(canary)
         if not (shape.calibrated and observations and all(o.ok for o in observations)):
@@ -107,18 +117,29 @@ def first_contact(
         due = [o for o in observations if _state(reads, backend.name, o) == FIRST]
         if not due:
             continue
-        sizes = _sizes(backend, settings, alone=True)
-        with progress.quiet():  # not the pass's canaries: its progress line counts those
-            probes = shape.calibration_probes(
-                backend, canary, canaries, k=settings.learn_first, batch_sizes=sizes
-            )
+        usable: dict[str, dict[int, list[Observation]]] = {o.canary_id: {} for o in due}
+        for _ in range(FIRST_ROUNDS):
+            for i, size in enumerate(
+                sizes
+            ):  # split as `calibration_probes` splits k: the first take the rest
+                n = settings.learn_first // len(sizes) + (i < settings.learn_first % len(sizes))
+                with progress.quiet():  # not the pass's canaries: its progress line counts those
+                    probes = shape.calibration_probes(backend, canary, canaries, k=n, batch_sizes=(size,))
+                for own in due:
+                    got = probes.get(own.canary_id, [])
+                    if reached is not None:
+                        reached.update(configuration_of({**stack, **o.stack}) for o in got if o.ok)
+                    usable[own.canary_id].setdefault(size, []).extend(_usable(got, own, stack))
+            if all(_enough(usable[o.canary_id], sizes, settings) for o in due):
+                break
         for own in due:
-            usable = _usable(probes.get(own.canary_id, []), own, stack)
-            if _identical_text(own, usable) and (more := settings.learn_k - 1 - len(usable)) > 0:
+            by_size = usable[own.canary_id]
+            probes_of = [o for size in sizes for o in by_size.get(size, [])]
+            if _identical_text(own, probes_of) and (more := settings.learn_k - 1 - len(probes_of)) > 0:
                 with progress.quiet():
                     extra = shape.calibration_probes(backend, canary, canaries, k=more, batch_sizes=sizes)
-                usable += _usable(extra.get(own.canary_id, []), own, stack)
-            regime = _first(store, backend.name, own, usable, settings)
+                probes_of += _usable(extra.get(own.canary_id, []), own, stack)
+            regime = _first(store, backend.name, own, probes_of, settings, _enough(by_size, sizes, settings))
             bound.info("learning_first_contact", canary=own.canary_id, regime=regime)
         done.add(canary.id)
     return done
@@ -131,8 +152,20 @@ def _identical_text(own: Observation, usable: list[Observation]) -> bool:
     return bool(usable) and basis_of(own, *usable) == "text" and exact([own, *usable])
 
 
+def _enough(by_size: dict[int, list[Observation]], sizes: Sequence[int], settings: CompareConfig) -> bool:
+    """Whether a configuration's usable probes may call it exact: ``learn_first`` of them, and a crowded
+    one where the backend takes crowded batches."""
+    total = sum(len(v) for v in by_size.values())
+    return total >= settings.learn_first and all(by_size.get(size) for size in sizes[1:])
+
+
 def _first(
-    store: Store, backend: str, own: Observation, usable: list[Observation], settings: CompareConfig
+    store: Store,
+    backend: str,
+    own: Observation,
+    usable: list[Observation],
+    settings: CompareConfig,
+    enough: bool = True,
 ) -> str:
     configuration = configuration_of(own.stack)
     if not usable:
@@ -140,7 +173,7 @@ def _first(
     # the pass's own answer opens the window: at a canary's first pass it is the baseline, so the window
     # holds it, and a change after it is a split in time (`window_shift_p`)
     state = Learning.start(own.request_hash, [own, *usable], settings.learn_k, settings.learn_max_passes)
-    if exact([own, *usable]):
+    if enough and exact([own, *usable]):
         model = fit([own, *usable])
         problem = outside_baseline(store, backend, own.canary_id, configuration, model)
         if problem is None:

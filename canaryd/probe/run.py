@@ -20,7 +20,7 @@ from typing import Any
 
 import structlog
 
-from canaryd import progress
+from canaryd import fleet, progress
 from canaryd.backends import Backend, BackendUnavailable, make_backend
 from canaryd.backends.base import cannot_score
 from canaryd.backends.profile import without_completions
@@ -63,7 +63,7 @@ class BackendRun:
 
     @property
     def stack_hash(self) -> str:
-        return stack_hash(self.stack) if self.stack else ""
+        return stack_hash(fleet.hashed(self.stack)) if self.stack else ""
 
 
 def plan(config: Config, suites: Sequence[Suite], only: str | None = None) -> dict[str, list[Canary]]:
@@ -107,12 +107,12 @@ def probe_backend(
 
     with _workers("probe", backend.concurrency) as ex:
         sent = list(ex.map(progress.counted(one), canaries))
-    for observations in sent:
-        for obs in observations:
-            if obs.ok:
-                obs.stack = {**stack, **obs.stack}
+    answered = [obs for observations in sent for obs in observations if obs.ok]
+    for obs in answered:
+        obs.stack = {**stack, **obs.stack}
+    reached = {configuration_of(obs.stack) for obs in answered}  # and, below, its first-contact probes'
     try:  # a canary without a noise model: is its backend exact? (`canaryd.probe.learn`)
-        contacted = learn.first_contact(backend, canaries, sent, stack, store, config.compare, bound)
+        contacted = learn.first_contact(backend, canaries, sent, stack, store, config.compare, bound, reached)
     except Exception:  # learning failed: the canaries are judged as they stand, and the pass goes on
         bound.exception("learning_failed")
         contacted = set()
@@ -121,6 +121,9 @@ def probe_backend(
     except Exception:  # each canary reads its own, and a failure costs only that canary
         bound.exception("judging_reads_failed")
         reads = store
+    on_fleet = fleet.is_fleet(reached, _known(reads, backend.name, bound))
+    for obs in answered:  # whose the snapshot is, on a fleet (`canaryd.fleet`)
+        obs.stack = fleet.joined(stack, obs.stack, on_fleet)
     referenced = _reference_checks(config, reads, backend.name, canaries, sent, bound, ref)
     judged = []
     for canary, observations in zip(canaries, sent, strict=True):
@@ -129,7 +132,7 @@ def probe_backend(
         except Exception as e:  # a judging bug: this canary's observations become errors, the pass goes on
             bound.exception("judge_failed", canary=canary.id)
             judged.append([_failed(obs, f"judging failed: {_describe(e)}") for obs in observations])
-    judged = _replacement(reads, backend.name, config, canaries, sent, judged, bound)
+    judged = _replacement(reads, backend.name, config, canaries, sent, judged, reached, bound)
     judged = answers.settle(store, reads, backend, canaries, judged, config.compare, bound)
     flat = [j for per_canary in judged for j in per_canary]
 
@@ -304,6 +307,15 @@ class _Pooled(Reads):
         return self._reads.run_set(observation_id)
 
 
+def _known(reads: Reads, backend: str, bound: Any) -> set[str]:
+    """The configurations the backend has baselines under (none when they cannot be read)."""
+    try:
+        return set(reads.configurations(backend))
+    except Exception:
+        bound.exception("configurations_read_failed")
+        return set()
+
+
 def _replacement(
     reads: Reads,
     backend: str,
@@ -311,13 +323,17 @@ def _replacement(
     canaries: Sequence[Canary],
     sent: list[list[Observation]],
     judged: list[list[Judged]],
+    reached: set[str],
     bound,
 ) -> list[list[Judged]]:
-    """A pass with answers from configurations new to their canaries and none from a configuration the
-    backend knows (one server restarted in another dtype, a provider swapped): not a fleet grown by one
-    but a replacement, judged as before configurations (against the latest baseline and its calibration),
-    so that a silent change of the only server is still drift. A fleet that gains a server keeps
-    answering from the known ones too, and its newcomer is a ``new-configuration``."""
+    """A pass with answers from configurations new to their canaries and nothing from a configuration the
+    backend knows, when it knows only one (the only server restarted in another dtype, a provider
+    swapped): not a fleet grown by one but a replacement, judged as before configurations (against the
+    latest baseline and its calibration), so that a silent change of the only server is still drift.
+    ``reached``: the configurations of the pass's answers and first-contact probes; a fleet that gains a
+    server keeps answering from the known ones too, and a backend that has shown several configurations
+    is a fleet whose pass may reach a newcomer alone: its newcomer is a ``new-configuration``, named as
+    the replacement of the known ones nothing reached (`canaryd.fleet.replacing`)."""
     new = [any(j.comparison.verdict is Verdict.NEW_CONFIG for j in per) for per in judged]
     if not any(new):
         return judged
@@ -326,9 +342,8 @@ def _replacement(
     except Exception:  # the newcomers stay new: a failure here costs no canary
         bound.exception("configurations_read_failed")
         return judged
-    served = {configuration_of(j.observation.stack) for per in judged for j in per if j.observation.ok}
-    if served & known:
-        return judged
+    if reached & known or len(known) > 1:
+        return [[_replaced(j, reached, known) for j in per] for per in judged]
     out = []
     for canary, observations, per, again in zip(canaries, sent, judged, new, strict=True):
         if again:
@@ -339,6 +354,16 @@ def _replacement(
                 bound.exception("judge_failed", canary=canary.id)
         out.append(per)
     return out
+
+
+def _replaced(j: Judged, reached: set[str], known: set[str]) -> Judged:
+    """A newcomer's verdict, naming the known configurations it replaced, if any."""
+    if j.comparison.verdict is not Verdict.NEW_CONFIG:
+        return j
+    why = fleet.replacing(configuration_of(j.observation.stack), reached, known)
+    if why is None:
+        return j
+    return replace(j, comparison=replace(j.comparison, reasons=(*j.comparison.reasons, why)))
 
 
 def _noted(c: Comparison, why: str) -> Comparison:

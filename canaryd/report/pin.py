@@ -24,6 +24,7 @@ from pathlib import Path
 
 from canaryd.errors import InputError
 from canaryd.files import read_regular
+from canaryd.fleet import comparable
 from canaryd.stack import IDENTITY_FIELDS, split, stack_hash
 
 FORMAT = "canaryd-pin/1"
@@ -169,7 +170,7 @@ def check_pin(
             unreachable.append(name)
             continue
         pinned = pin.backends[name]
-        before, after = pinnable(pinned.fields), pinnable(now[name])
+        before, after, _ = comparable(pinnable(pinned.fields), pinnable(now[name]))  # `canaryd.fleet`
         if pinned.configurations is not None:
             if len(pinned.configurations) > 1:  # a fleet: its merged identity fields vary with the draws
                 before, after = _without_identity(before), _without_identity(after)

@@ -1,11 +1,15 @@
-"""Serving configurations against real vLLM CPU servers: one URL balanced at random over two servers with
-the same tiny weights, one float32 and one bfloat16 (each its own ``system_fingerprint``), probed with the
-plain ``openai`` kind through the CLI, as a new user would.
+"""Serving configurations against real vLLM CPU servers: two servers with the same tiny weights, one float32
+and one bfloat16 (each its own ``system_fingerprint``), behind two balancers at once, probed through the
+CLI as a new user would: a Python random balancer with the plain ``openai`` kind, and a real nginx
+(``random``) with the ``vllm`` kind, whose snapshot (``/metrics``' kv-cache sizes, ``/v1/models``' root,
+``/version``) nginx answers from either server: a fleet's snapshot belongs to its members
+(`canaryd.fleet`).
 
-Unchanged passes give no drift and report two configurations; the bfloat16 server restarted with int8
-round-tripped weights at the same path (same fingerprint) is drift of that configuration only; a third
-server (a custom fingerprint) joining the float32 one is reported as new once per canary, then identical.
-Four server starts.
+Unchanged passes give no drift of any kind, exit 0, and report two configurations; the bfloat16 server
+restarted with int8 round-tripped weights at the same path (same fingerprint) is drift of that
+configuration only; then restarted in float32 (another dtype: a new fingerprint), it is a new
+configuration once per canary, then identical, named by nginx's backend as the one that replaced the
+bfloat16 configuration. Four server starts.
 """
 
 import json
@@ -15,10 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from canaryd.lab.vllm_process import VLLMServer
+from canaryd.lab.vllm_process import VLLMServer, free_port
 from canaryd.stack import configuration_of
 from tests.harness.balancer import Balancer
 from tests.harness.lab import Lab
+from tests.harness.nginx import Nginx
 
 pytestmark = pytest.mark.vllm
 
@@ -43,6 +48,13 @@ suites = ["suite.toml"]
 name = "fleet"
 kind = "openai"
 base_url = "http://127.0.0.1:{port}/v1"
+model = "tiny"
+timeout_s = 60
+concurrency = 1
+[[backends]]
+name = "nginx"
+kind = "vllm"
+base_url = "http://127.0.0.1:{nginx}/v1"
 model = "tiny"
 timeout_s = 60
 concurrency = 1
@@ -72,8 +84,8 @@ def passes(lab: Lab, n: int) -> list[tuple[int, dict]]:
     return out
 
 
-def results(runs: list[tuple[int, dict]]) -> list[dict]:
-    return [r for _, doc in runs for r in doc["results"]]
+def results(runs: list[tuple[int, dict]], backend: str = "fleet") -> list[dict]:
+    return [r for _, doc in runs for r in doc["results"] if r["backend"] == backend]
 
 
 def fingerprint_of(srv: VLLMServer) -> str:
@@ -89,55 +101,84 @@ def fingerprint_of(srv: VLLMServer) -> str:
 DRIFT = ("regression", "answer-drift", "logprob-drift", "stack-change")
 
 
-def test_a_random_two_configuration_fleet_then_a_change_inside_one_then_a_third(
+def test_a_random_two_configuration_fleet_then_a_change_inside_one_then_a_dtype_restart(
     tmp_path, tiny_model, int8_model
 ):
-    lab = Lab(tmp_path, SUITE, CONFIG)
+    nginx_port = free_port()
+    lab = Lab(tmp_path, SUITE, CONFIG.replace("{nginx}", str(nginx_port)))
     a = server(lab, "a", tiny_model, "float32")
     b = server(lab, "b", tiny_model, "bfloat16")
-    with a, b, Balancer({a.port: 1, b.port: 1}, port=lab.port, seed=1) as lb:
+    with (
+        a,
+        b,
+        Balancer({a.port: 1, b.port: 1}, port=lab.port, seed=1) as lb,
+        Nginx(tmp_path / "nginx", [a.port, b.port], port=nginx_port) as nginx,
+    ):
         fp32, bf16 = (configuration_of({"response.system_fingerprint": fingerprint_of(s)}) for s in (a, b))
         assert fp32 != bf16  # the dtype is in vLLM's fingerprint
-        # 1. one baseline pass and ten unchanged ones: no drift, two configurations
+        # 1. one baseline pass and ten unchanged ones: no drift of any kind, exit 0, two configurations
         runs = passes(lab, 11)
-        seen = results(runs)
-        assert [code for code, _ in runs] == [0] * 11, Counter(r["verdict"] for r in seen)
-        assert not [r for r in seen if r["verdict"] in DRIFT]
-        assert {r["configuration"] for r in seen} == {fp32, bf16}
-        assert max(doc["configurations"]["fleet"]["count"] for _, doc in runs) == 2
-        counts = Counter(r["verdict"] for r in seen)
-        assert counts["baseline"] == len(PROMPTS) and counts["new-configuration"] == len(PROMPTS)
-        assert counts["identical"] == 10 * len(PROMPTS) - len(PROMPTS)
+        for backend in ("fleet", "nginx"):
+            seen = results(runs, backend)
+            assert [code for code, _ in runs] == [0] * 11, Counter(r["verdict"] for r in seen)
+            assert not [r for r in seen if r["verdict"] in DRIFT]
+            assert {r["configuration"] for r in seen} == {fp32, bf16}
+            assert max(doc["configurations"][backend]["count"] for _, doc in runs) == 2
+            counts = Counter(r["verdict"] for r in seen)
+            assert counts["baseline"] == len(PROMPTS) and counts["new-configuration"] == len(PROMPTS)
+            assert counts["identical"] == 10 * len(PROMPTS) - len(PROMPTS)
         assert min(lb.served[a.port], lb.served[b.port]) > 10
+        assert min(nginx.served().get(p, 0) for p in (a.port, b.port)) > 10
+        # nginx answered the vllm kind's snapshot from both servers (bfloat16 has twice the kv-cache
+        # blocks): recorded, set aside, never a stack change
+        aside = [why for r in results(runs, "nginx") for why in r["reasons"] if "server-side snapshot" in why]
+        assert any("num_gpu_blocks" in why for why in aside), aside[:3]
 
         # 2. the bfloat16 server comes back with int8 round-tripped weights at the same path
         b.stop()
         with server(lab, "b", int8_model, "bfloat16", b.port):
-            moved = results(passes(lab, 4))
-        assert {r["configuration"] for r in moved} == {fp32, bf16}  # the same configurations
-        drifted = [r for r in moved if r["verdict"] != "identical"]
-        assert drifted and {r["configuration"] for r in drifted} == {bf16}
-        assert {r["verdict"] for r in drifted} <= set(DRIFT)
-        assert {r["verdict"] for r in moved if r["configuration"] == fp32} == {"identical"}
+            moved_runs = passes(lab, 4)
+        for backend in ("fleet", "nginx"):
+            moved = results(moved_runs, backend)
+            assert {r["configuration"] for r in moved} == {fp32, bf16}  # the same configurations
+            drifted = [r for r in moved if r["verdict"] != "identical"]
+            assert drifted and {r["configuration"] for r in drifted} == {bf16}
+            assert {r["verdict"] for r in drifted} <= set(DRIFT)
+            assert {r["verdict"] for r in moved if r["configuration"] == fp32} == {"identical"}
 
-        # 3. a third server joins (a custom fingerprint) beside the float32 one, taking most requests
-        custom = ("--fingerprint-mode", "custom", "--fingerprint-value", "third")
-        with server(lab, "c", tiny_model, "float32", None, *custom) as c:
-            third = configuration_of({"response.system_fingerprint": "third"})
-            lb.set_pool({a.port: 1, c.port: 3})
+        # 3. the bfloat16 server is restarted in float32 (a new fingerprint), taking most of the Python
+        # balancer's requests (nginx keeps picking at random)
+        with server(lab, "b", tiny_model, "float32", b.port) as b32:
+            third = configuration_of({"response.system_fingerprint": fingerprint_of(b32)})
+            assert third not in (fp32, bf16)  # the dtype (and the path) are in vLLM's fingerprint
+            lb.set_pool({a.port: 1, b32.port: 3})
             joined = passes(lab, 4)
         assert [code for code, _ in joined] == [0] * 4
-        on_third = [r for r in results(joined) if r["configuration"] == third]
-        firsts = [r for r in on_third if r["verdict"] == "new-configuration"]
-        assert sorted(r["canary"] for r in firsts) == sorted(
-            f"c{i}" for i in range(len(PROMPTS))
-        )  # once each
-        assert {r["verdict"] for r in on_third} == {"new-configuration", "identical"}
-        assert {r["verdict"] for r in results(joined) if r["configuration"] == fp32} == {"identical"}
-        assert {c for _, doc in joined for c in doc["configurations"]["fleet"]["new"]} == {third}
-        for r in firsts:  # compared with the most recent other baseline: float32 answers the same
-            against = r["reasons"][1]
-            assert against == f"against configuration {fp32} it would be identical" or (
-                against.startswith(f"against configuration {bf16} it would be ")
-                and "identical" not in against
-            ), against
+        for backend in ("fleet", "nginx"):
+            on_third = [r for r in results(joined, backend) if r["configuration"] == third]
+            firsts = [r for r in on_third if r["verdict"] == "new-configuration"]
+            # once each canary that met it: every canary behind the Python balancer, which favours it
+            met = (
+                {r["canary"] for r in on_third}
+                if backend == "nginx"
+                else {f"c{i}" for i in range(len(PROMPTS))}
+            )
+            assert sorted(r["canary"] for r in firsts) == sorted(met) and met
+            assert {r["verdict"] for r in on_third} == {"new-configuration", "identical"}
+            assert {r["verdict"] for r in results(joined, backend) if r["configuration"] == fp32} == {
+                "identical"
+            }
+            assert {c for _, doc in joined for c in doc["configurations"][backend]["new"]} == {third}
+            for r in firsts:  # compared with the most recent other baseline: float32 answers the same
+                against = r["reasons"][1]
+                assert against == f"against configuration {fp32} it would be identical" or (
+                    against.startswith(f"against configuration {bf16} it would be ")
+                    and "identical" not in against
+                ), against
+            # the member's old configuration is gone: where the backend first meets the newcomer, it is named
+            # as its replacement
+            first = [r for r in results(joined[:1], backend) if r["configuration"] == third]
+            assert first and {r["verdict"] for r in first} == {"new-configuration"}
+            for r in first:
+                named = f"configuration {third} replaced configuration {bf16},"
+                assert named in r["reasons"][-1], r["reasons"]

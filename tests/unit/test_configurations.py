@@ -150,7 +150,7 @@ def test_answers_naming_no_configuration_keep_one_baseline_per_canary_and_say_so
 
 
 def test_calibration_is_per_configuration(make):
-    lab = make(fleet())
+    lab = make(fleet(seed=1))  # picks that give each configuration at least 3 of the 12 probes
     for _ in range(4):
         lab.cycle()
     from canaryd.probe.calibrate import calibrate
