@@ -1,4 +1,4 @@
-"""Detection side by side: canaryd against the published detectors (LT, MET) and text-only tests.
+"""Detection side by side: canaryd against the published detectors (LT, MET, Token-DiFR) and text tests.
 
 A real vLLM (CPU) server serves a tiny Llama-style model, trained for a few seconds on the canaries'
 answers so that its next-token distributions are peaked like a real LM's (a random-init model is nearly
@@ -19,9 +19,11 @@ uniform and would flatter every method), and then silently changed variants of i
 The ladder (positives for the ROC AUC) is D1, Q1, Q2 and every G; the negatives are the N0 tests. The
 baseline server stays up throughout as every variant's reference (the weights they all claim).
 
-Methods, each a test at the per-test false-alarm rate ``--alpha``, at equal request budgets: a budget r
-is r requests per canary or prompt, C·r requests per test on the tested server (C = 6); the token cost
-per test is measured and printed per method (an LT request is a one-token prompt and one output token):
+Methods, each a test at the per-test false-alarm rate ``--alpha``: a budget r is r requests per canary or
+prompt, C·r requests per test on the tested server (C = 6); the token cost per test is measured per method
+(an LT request is a one-token prompt and one output token), and each method is raced at equal requests and,
+separately, at equal tokens per test, with what it spends off the test (calibration, reference windows)
+in a column of its own:
 
   canaryd             as shipped: K calibration probes per canary on the baseline server (alone and in
                       filler-crowded batches, as ``baseline calibrate`` sends them), `stats.fit` per serving
@@ -30,26 +32,34 @@ per test is measured and printed per method (an LT request is a one-token prompt
   canaryd teacher-forced
                       six short raw prompts, each scored (vLLM prompt_logprobs) on the continuation the
                       baseline server gives greedily; calibrated and judged as canaryd is.
-  canaryd reference   canaryd's greedy answers re-scored on the baseline server (`probe.reference`): each
-                      answer's parting from the reference's own and its logprob gap, against the
-                      reference's own noise and within the provider's noise floor, Bonferroni over the
-                      canaries at alpha/R per cycle.
+  canaryd reference: gap to reported logprobs
+                      canaryd's greedy answers re-scored on the baseline server (`probe.reference`): each
+                      answer's parting from the reference's own and the gap between the provider's reported
+                      logprobs and the reference's scoring, within the provider's noise floor, Bonferroni
+                      over the canaries at alpha/R per cycle.
   exact text match    any greedy text differs from the baseline's.
   two-sample text     r answers per prompt at T = 1 against r baseline answers, TV distance with a
                       permutation p-value per prompt (`sampled.answer_test`), Bonferroni over the prompts.
-  LT                  Log Probability Tracking (bench/peers.py): prompt "x", max_tokens 1, top-20 logprobs,
-                      N = C·r requests per window against N from the baseline server, permutation p-value.
-  MET                 Model Equality Testing (bench/peers.py): r completions per prompt at T = 1 (12 tokens)
-                      against r from the baseline server, prompt-blocked Hamming MMD², permutation p-value.
+  LT                  Log Probability Tracking as its authors run it (`detection_peers`): prompt "x",
+                      max_tokens 1, top-20 logprobs; a reference window of K·C probes taken where canaryd
+                      calibrates (the same days under the shim; through the balancer on the fleet); test
+                      windows of C·r, its paper's 10, and of canaryd's tokens; ranked by its statistic,
+                      deciding by its permutation p-value; beside it the same trials ranked by −p and
+                      decided by its production rule (12σ over 100 tests, 48 left out, statistic > 1.0).
+  Token-DiFR          the greedy (T = 0) margin of canaryd's answers' tokens under the reference's scoring,
+                      the mean over a test's tokens against the largest of the honest calibration answers'.
+  MET kernel          MET's statistic on the six short canaries (r completions per prompt at T = 1, 12
+                      tokens): not MET's settings (25 open-ended prompts × 10, ≥ 50 tokens), named so.
 
-Figures: power at alpha per variant and budget (on N0 and F: false alarms, hits/trials), the ROC AUC of
-each method's test scores, variant against N0, over the ladder, and the budget (requests, tokens) each
-method needs for power 0.95. vLLM-CPU is deterministic (noise floor 0), so the real figures are the exact
-regime; a SYNTHETIC noise shim adds mode-structured noise to every logprob the tested and calibrated
-servers give the logprob methods (canaryd's calibration, baselines and probes, chat and teacher-forced;
-the provider's logprobs in the reference check, whose reference stays deterministic; LT's both windows)
-and the tests are rerun under it. The shim never changes a token, so the text methods' figures are the
-real ones. Every shim row is labelled.
+Figures: power at alpha per variant and budget (on N0 and F: false alarms with Clopper–Pearson bounds), the
+ROC AUC of each method's scores over the ladder against N0 with a bootstrap 95% interval, each method's AUC
+difference from canaryd's with a paired bootstrap interval (inside it: a tie), and the budget (requests,
+tokens) each method needs for power 0.95. vLLM-CPU is deterministic (noise floor 0), so the real figures are
+the exact regime; a SYNTHETIC noise shim adds mode-structured noise to every logprob the tested and
+calibrated servers give the logprob methods (canaryd's calibration, baselines and probes, chat and
+teacher-forced; the provider's logprobs in the reference-gap check, whose reference stays deterministic;
+LT's windows) and the tests are rerun under it. The shim never changes a token, so the text methods' and
+Token-DiFR's figures are the real ones. Every shim row is labelled.
 
     flock /tmp/canaryd-vllm.lock .venv/bin/python bench/detection.py [--quick] [--alpha 0.01] [--json FILE]
         [--probes FILE]
@@ -95,10 +105,12 @@ from bench.detection_lab import (  # noqa: E402
 from bench.detection_methods import (  # noqa: E402
     DEFAULT_RULE,
     METHODS,
+    REQUESTS,
     Reference,
     alpha_rule,
-    shim_outcomes,
 )
+from bench.detection_peers import PEER_REQUESTS, PEERS, split  # noqa: E402
+from bench.detection_race import as_json, off_test_cost, per_method_table, race, race_table, tally  # noqa: E402
 from bench.detection_report import (  # noqa: E402
     Cells,
     figures,
@@ -107,6 +119,7 @@ from bench.detection_report import (  # noqa: E402
     targets,
     tokens_per_request,
 )
+from bench.detection_shim import shim_outcomes  # noqa: E402
 from canaryd import log  # noqa: E402
 from canaryd.config import CompareConfig  # noqa: E402
 from canaryd.judge.stats import fit  # noqa: E402
@@ -141,6 +154,7 @@ class Settings:
     deployments: int  # shim: independent draws of mode offsets and calibration
     r_probes: tuple[int, ...]
     r_samples: tuple[int, ...]
+    resamples: int  # bootstrap resamples of every interval
 
 
 FULL = Settings(
@@ -155,6 +169,7 @@ FULL = Settings(
     deployments=5,
     r_probes=(1, 2, 4, 8, 16),
     r_samples=(1, 2, 4, 8, 16, 32),
+    resamples=1000,
 )
 QUICK = replace(
     FULL,
@@ -168,21 +183,23 @@ QUICK = replace(
     deployments=2,
     r_probes=(1, 2, 4, 8),
     r_samples=(1, 2, 4, 8, 16),
+    resamples=500,
 )
 
 
 def analyse(
     ref: Reference, servers: dict[str, list[Served]], settings: Settings, alpha: float, seed: int
 ) -> Cells:
-    """Every method on every server, trials pooled over a variant's servers (N0: over the restarts)."""
+    """Every method on every server, trials pooled over a variant's servers (N0: over the restarts); the
+    companion rows an outcome carries become rows of their own."""
     cells: Cells = {}
-    for name, method in METHODS.items():
+    for name, method in (METHODS | PEERS).items():
         for variant, served in servers.items():
             for i, s in enumerate(served):
                 rng = random.Random(f"{seed}-{name}-{variant}-{i}")
                 for r, outcomes in method(ref, s, settings, alpha, rng).items():
                     cells.setdefault((name, variant), {}).setdefault(r, []).extend(outcomes)
-    return cells
+    return split(cells)
 
 
 def serve_all(
@@ -267,6 +284,19 @@ def serve_all(
     return ref, servers, fleet_hits, phases
 
 
+def print_race(label: str, result: dict, off: dict[str, str] | None, rs) -> None:
+    """The race of one row set: per method with intervals, then the differences from canaryd."""
+    print(f"{label}, per method and budget: ladder AUC with a bootstrap 95% CI, false alarms with bounds")
+    print(per_method_table(result, rs, off))
+    print()
+    print(f"{label}, at equal requests: canaryd's mode − each method (paired bootstrap CI; inside: tie)")
+    print(race_table(result, "requests"))
+    print()
+    print(f"{label}, at equal tokens per test: canaryd's best mode within the budget − each method")
+    print(race_table(result, "tokens"))
+    print(f"{label}, at equal tokens: {tally(result)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
@@ -321,6 +351,9 @@ def main() -> None:
             with args.probes.open("wb") as f:
                 pickle.dump((ref, servers, fleet_hits, serving_phases), f)
     phases |= serving_phases
+    # LT deployed on the fleet takes its reference through the balancer, as canaryd calibrates there (FQ1,
+    # composed from F, inherits it: the change came after the deployment)
+    servers["F"][0].extra["lt calibration"] = {"lt": servers["F"][0].lt}
     # FQ1: the fleet with its float32 member replaced by the int8 server (same configuration, other weights)
     f32 = configuration_of(ref.baseline[canaries[0].id].stack)
     servers["FQ1"] = [composed("FQ1", servers["F"][0], f32, servers["Q1"][0])]
@@ -335,7 +368,7 @@ def main() -> None:
     order = ["N0", "F", "FQ1", "D1", "Q1", "Q2", *(f"G{s:g}" for s in settings.g_scales)]
     ladder = [v for v in order if v not in ("N0", "F", "FQ1")]
     c = len(canaries)
-    tokens = {name: tokens_per_request(name, servers["N0"][0]) for name in METHODS}
+    tokens = {name: tokens_per_request(name, servers["N0"][0]) for name in REQUESTS | PEER_REQUESTS}
     # the answer tokens a reference check scores per request (Token-DiFR counts these)
     scored = mean_completion_tokens([o for obs in servers["N0"][0].greedy.values() for o in obs])
     t = time.perf_counter()
@@ -348,10 +381,18 @@ def main() -> None:
             sigma: pool.submit(shim_outcomes, sigma, ref, servers, settings, args.alpha, args.seed)
             for sigma in SHIM_LEVELS
         }
-        shim = {sigma: job.result() for sigma, job in jobs.items()}
+        shim = {sigma: split(job.result()) for sigma, job in jobs.items()}
     shim_tokens = {name: tokens.get(name, tokens["canaryd"]) for name, _ in next(iter(shim.values()))}
     shim_figs = {sigma: figures(cells, ladder, c, shim_tokens) for sigma, cells in shim.items()}
     phases["shim analysis"] = time.perf_counter() - t
+    t = time.perf_counter()
+    real_race = race(real, ladder, c, tokens, args.seed, settings.resamples)
+    shim_race = {
+        sigma: race(cells, ladder, c, shim_tokens, args.seed, settings.resamples)
+        for sigma, cells in shim.items()
+    }
+    off = {name: off_test_cost(name, c, settings.k, tokens) for name in real_race["per"]}
+    phases["intervals"] = time.perf_counter() - t
     wall = time.perf_counter() - t_start
 
     rs = sorted({*settings.r_probes, *settings.r_samples})
@@ -390,8 +431,15 @@ def main() -> None:
     print(f"REAL, per method: ROC AUC over the ladder ({', '.join(ladder)}) vs N0")
     print(method_table(real_figs, rs))
     print()
+    print_race("REAL", real_race, off, settings.r_probes)
+    print()
+    real_targets = targets(real_figs, real, tokens, c, scored, args.alpha, real_race)
     print("targets (canaryd, REAL):")
-    print("\n".join(f"- {line}" for line in targets(real_figs, real, tokens, c, scored)))
+    print("\n".join(f"- {line}" for line in real_targets))
+    shim_targets = {
+        sigma: targets(shim_figs[sigma], shim[sigma], shim_tokens, c, scored, args.alpha, shim_race[sigma])
+        for sigma in SHIM_LEVELS
+    }
     for sigma in SHIM_LEVELS:
         print()
         print(
@@ -403,8 +451,10 @@ def main() -> None:
         print()
         print(f"SYNTHETIC {shim_label(sigma)}, per method")
         print(method_table(shim_figs[sigma], settings.r_probes))
+        print()
+        print_race(f"SYNTHETIC {shim_label(sigma)}", shim_race[sigma], None, settings.r_probes)
         print(f"targets (canaryd, SYNTHETIC {shim_label(sigma)}):")
-        print("\n".join(f"- {line}" for line in targets(shim_figs[sigma], shim[sigma], tokens, c, scored)))
+        print("\n".join(f"- {line}" for line in shim_targets[sigma]))
     print()
     print(f"wall time {wall:.0f} s: " + ", ".join(f"{k} {v:.0f} s" for k, v in phases.items()))
     print(f"vLLM logs: {logs}")
@@ -427,11 +477,10 @@ def main() -> None:
             "tokens_per_request": tokens,
             "startup_s": {v: [s.startup_s for s in ss] for v, ss in servers.items()},
             "real": real_figs,
-            "targets": {"real": targets(real_figs, real, tokens, c, scored)}
-            | {
-                f"synthetic {sigma}": targets(shim_figs[sigma], shim[sigma], tokens, c, scored)
-                for sigma in SHIM_LEVELS
-            },
+            "targets": {"real": real_targets} | {f"synthetic {s}": x for s, x in shim_targets.items()},
+            "race": {"real": as_json(real_race)}
+            | {f"synthetic {s}": as_json(x) for s, x in shim_race.items()},
+            "off_test_cost": off,
             "synthetic": {
                 "modes": SHIM_MODES,
                 "jitter_share": SHIM_JITTER,

@@ -135,7 +135,10 @@ def backend_for(base_url: str) -> Backend:
 
 @contextmanager
 def server(model: Path, dtype: str, logs: Path, name: str) -> Iterator[VLLMServer]:
-    with VLLMServer(model, dtype=dtype, extra_args=["--enforce-eager"], log_path=logs / f"{name}.log") as srv:
+    # a long start-up allowance: one late start on a loaded machine would lose every server served before it
+    with VLLMServer(
+        model, dtype=dtype, extra_args=["--enforce-eager"], log_path=logs / f"{name}.log", startup_timeout=900
+    ) as srv:
         yield srv
 
 

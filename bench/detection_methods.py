@@ -13,13 +13,8 @@ import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 
-import numpy as np
-
-from bench.detection_lab import MAX_TOKENS, SHIM_CAL_DAYS, Served, Shim, check_key
-from bench.peers import lt_test, met_test
-from canaryd.backends.noise import Preset
+from bench.detection_lab import Served, check_key
 from canaryd.canaries import Canary
 from canaryd.config import CompareConfig
 from canaryd.judge import reference
@@ -56,6 +51,14 @@ DEFAULT_RULE = Rule(CompareConfig().min_out, CompareConfig().arl)
 class Outcome:
     reject: bool
     score: object
+    # companion rows decided on the same trial (row name → its outcome): `detection_peers.split` makes
+    # them rows of their own, so their intervals pair trial by trial with this row's
+    also: tuple[tuple[str, Outcome], ...] = ()
+
+
+# canaryd's reference check, named for what it measures: the gap between the provider's reported logprobs
+# and the reference's scoring of the same answer (and an answer's parting from the reference's own)
+REFERENCE_ROW = "canaryd reference: gap to reported logprobs"
 
 
 @dataclass
@@ -274,64 +277,12 @@ def two_sample_text(ref: Reference, served: Served, settings, alpha: float, rng:
     return out
 
 
-def lt_row(obs: Observation) -> dict[str, float]:
-    """One LT row: the top-k logprobs of the single generated token."""
-    return dict(obs.tokens[0].top)
-
-
-def lt_method(ref: Reference, served: Served, settings, alpha: float, rng: random.Random) -> dict:
-    """LT at an equal request budget: N = C·r one-token probes per window, against N from the baseline
-    server. Score: −p."""
-    c = len(ref.canaries)
-    npr = np.random.default_rng(rng.getrandbits(63))
-    b = permutations_for(alpha)
-    out: dict[int, list[Outcome]] = {}
-    for r in settings.r_probes:
-        out[r] = []
-        for _ in range(settings.trials):
-            w1 = [lt_row(o) for o in draw(ref.lt, c * r, rng)]
-            w2 = [lt_row(o) for o in draw(served.lt, c * r, rng)]
-            t = lt_test(w1, w2, permutations=b, rng=npr)
-            out[r].append(Outcome(t.p_value <= alpha, -t.p_value))
-    return out
-
-
-class Codes(dict):
-    """Token → integer code, the same across servers (MET compares completions position by position)."""
-
-    def of(self, obs: Observation) -> list[int]:
-        return [self.setdefault(t.token, len(self)) for t in obs.tokens]
-
-
-CODES = Codes()
-
-
-def met_method(ref: Reference, served: Served, settings, alpha: float, rng: random.Random) -> dict:
-    """MET at an equal request budget: r completions per prompt at T = 1 (C prompts, MAX_TOKENS tokens)
-    against r from the baseline server, Hamming MMD² with within-prompt permutations. Score: −p."""
-    npr = np.random.default_rng(rng.getrandbits(63))
-    b = permutations_for(alpha)
-    base = {cid: [CODES.of(o) for o in obs] for cid, obs in ref.samples.items()}
-    cur = {cid: [CODES.of(o) for o in obs] for cid, obs in served.samples.items()}
-    out: dict[int, list[Outcome]] = {}
-    for r in settings.r_samples:
-        out[r] = []
-        for _ in range(settings.trials):
-            s1 = {cid: draw(x, r, rng) for cid, x in base.items()}
-            s2 = {cid: draw(cur[cid], r, rng) for cid in base}
-            t = met_test(s1, s2, MAX_TOKENS, permutations=b, rng=npr)
-            out[r].append(Outcome(t.p_value <= alpha, -t.p_value))
-    return out
-
-
 METHODS: dict[str, Method] = {
     "canaryd": canaryd_shipped,
     "canaryd teacher-forced": canaryd_forced,
-    "canaryd reference": canaryd_reference,
+    REFERENCE_ROW: canaryd_reference,
     "exact text match": exact_match,
     "two-sample text (T=1)": two_sample_text,
-    "LT (top-20, 1 token)": lt_method,
-    "MET (Hamming MMD, T=1)": met_method,
 }
 
 
@@ -339,116 +290,7 @@ METHODS: dict[str, Method] = {
 REQUESTS = {
     "canaryd": ("greedy", "C·r"),
     "canaryd teacher-forced": ("forced", "C·r"),
-    "canaryd reference": ("greedy", "C·r (+5·C·r on the reference)"),
+    REFERENCE_ROW: ("greedy", "C·r (+5·C·r on the reference)"),
     "exact text match": ("greedy", "C·r"),
     "two-sample text (T=1)": ("sample", "C·r (+C·r reference)"),
-    "LT (top-20, 1 token)": ("lt", "C·r (+C·r reference)"),
-    "MET (Hamming MMD, T=1)": ("sample", "C·r (+C·r reference)"),
 }
-
-
-# -- SYNTHETIC --------------------------------------------------------------------------------------------
-def shimmed_deployment(
-    shim: Shim, mixes: Sequence[Sequence[float]], probes: dict[str, list[Observation]]
-) -> Known:
-    """A deployment calibrated on these probes as the shim moves them, spread over the simulated days."""
-    return deployment(
-        {cid: [shim(o, mixes[i % SHIM_CAL_DAYS]) for i, o in enumerate(obs)] for cid, obs in probes.items()}
-    )
-
-
-# canaryd's modes under the shim: (row, canaries, the served pools, the calibration a deployment keeps)
-def _shim_modes(ref: Reference, served: Served) -> list[tuple[str, list[Canary], dict, dict]]:
-    return [
-        ("canaryd", ref.canaries, served.greedy, served.extra.get("calibration", ref.calibration)),
-        (
-            "canaryd teacher-forced",
-            ref.forced,
-            served.extra["forced"],
-            served.extra.get("forced calibration", ref.forced_calibration),
-        ),
-    ]
-
-
-def _shim_trial(
-    ref: Reference,
-    mode: tuple[str, list[Canary], dict, dict],
-    deployed: tuple[Known, Floors],
-    moving: Callable[[Observation], Observation],
-    settings,
-    alpha: float,
-    rng: random.Random,
-) -> dict[str, dict[int, Outcome]]:
-    """One trial of one canaryd mode under the shim, row → budget → outcome: the detector (knobs from alpha,
-    and the shipped defaults) and, on the shipped canaries' answers, the reference check."""
-    name, canaries, pools, _ = mode
-    known, floors = deployed
-    longest = max(settings.r_probes)
-    k = min(len(model.loo) for per in known.values() for _, model in per.values())
-    rules = {name: alpha_rule(alpha, longest, k, len(canaries))}
-    if name == "canaryd":
-        rules[f"canaryd (defaults: arl {DEFAULT_RULE.arl:g})"] = DEFAULT_RULE
-    drawn = [{cn.id: rng.choice(pools[cn.id]) for cn in canaries} for _ in range(longest)]
-    moved = [{cid: moving(o) for cid, o in cycle.items()} for cycle in drawn]
-    cycles = [{cn.id: judged(cn, known, m[cn.id]) for cn in canaries} for m in moved]
-    out = {row: detector_outcomes(cycles, rule, settings.r_probes) for row, rule in rules.items()}
-    if name == "canaryd":  # the same answers as served, and with the provider's logprobs as reported
-        pairs = [{cid: (a[cid], m[cid]) for cid in a} for a, m in zip(drawn, moved, strict=True)]
-        after = reference_outcomes(ref, pairs, floors, alpha)
-        out["canaryd reference"] = {r: after[r] for r in settings.r_probes}
-    return out
-
-
-def shim_outcomes(
-    sigma: float | Preset,
-    ref: Reference,
-    servers: dict[str, list[Served]],
-    settings,
-    alpha: float,
-    seed: int,
-) -> dict[tuple[str, str], dict[int, list[Outcome]]]:
-    """canaryd (shipped, teacher-forced, reference) and LT when every logprob the tested server gives
-    carries SYNTHETIC mode noise of scale sigma, or the realistic model's preset sigma (`Shim`; text methods
-    are untouched: the shim never changes a token).
-
-    Each deployment draws fresh mode offsets and a fresh calibration (canaryd's K probes over SHIM_CAL_DAYS
-    days; LT's reference window on one day); each trial is a new day for the tested server. The reference
-    check scores the shimmed answers on an unshimmed reference (a local deterministic engine, as vLLM CPU
-    is), within the provider's noise floor from the shimmed calibration."""
-    c = len(ref.canaries)
-    out: dict[tuple[str, str], dict[int, list[Outcome]]] = {}
-    b = permutations_for(alpha)
-
-    def add(name: str, variant: str, r: int, o: Outcome) -> None:
-        out.setdefault((name, variant), {}).setdefault(r, []).append(o)
-
-    for d in range(settings.deployments):
-        rng = random.Random(f"{seed}-{sigma}-{d}")
-        npr = np.random.default_rng(rng.getrandbits(63))
-        shim = Shim(sigma, rng)
-        mixes = [shim.day() for _ in range(SHIM_CAL_DAYS)]
-        # by id of the calibration probes (the baseline server's, the fleet's): the deployment, its floors
-        deployed: dict[int, tuple[Known, Floors]] = {}
-        lt_day = shim.day()
-        for variant, served in servers.items():
-            trials = settings.null_trials if variant == "N0" else settings.trials
-            for t in range(math.ceil(trials / settings.deployments)):
-                s = served[t % len(served)]
-                mix = shim.day()
-                for mode in _shim_modes(ref, s):
-                    probes = mode[3]
-                    if id(probes) not in deployed:
-                        known = shimmed_deployment(shim, mixes, probes)
-                        deployed[id(probes)] = known, floors_of(known)
-                    trial = _shim_trial(
-                        ref, mode, deployed[id(probes)], partial(shim, mix=mix), settings, alpha, rng
-                    )
-                    for row, by_r in trial.items():
-                        for r, o in by_r.items():
-                            add(row, variant, r, o)
-                for r in settings.r_probes:
-                    w1 = [lt_row(shim(o, lt_day)) for o in draw(ref.lt, c * r, rng)]
-                    w2 = [lt_row(shim(o, mix)) for o in draw(s.lt, c * r, rng)]
-                    p = lt_test(w1, w2, permutations=b, rng=npr).p_value
-                    add("LT (top-20, 1 token)", variant, r, Outcome(p <= alpha, -p))
-    return out

@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from bench.detection_lab import Served
-from bench.detection_methods import REQUESTS, Outcome
+from bench.detection_methods import REFERENCE_ROW, REQUESTS, Outcome
+from bench.detection_peers import DIFR, PEER_REQUESTS
+from bench.intervals import clopper_pearson, rate
 from bench.peers import roc_auc
 
 POWER = 0.95
@@ -20,7 +22,7 @@ def power(outcomes: Sequence[Outcome]) -> float:
 
 
 def tokens_per_request(name: str, s: Served) -> float:
-    kind = REQUESTS.get(name, ("greedy", ""))[0]
+    kind = (REQUESTS | PEER_REQUESTS).get(name, ("greedy", ""))[0]
     return {"greedy": s.tokens, "sample": s.sample_tokens, "lt": s.lt_tokens, "forced": s.forced_tokens}[kind]
 
 
@@ -60,7 +62,7 @@ def figures(cells: Cells, ladder: Sequence[str], c: int, tokens: dict[str, float
             None,
         )
         out["methods"][name] = {
-            "requests_per_test": REQUESTS.get(name, ("", "C·r"))[1],
+            "requests_per_test": (REQUESTS | PEER_REQUESTS).get(name, ("", "C·r"))[1],
             "tokens_per_request": tokens[name],
             "tokens_per_test": {r: round(c * r * tokens[name]) for r in rs},
             "ladder_auc": auc,
@@ -89,7 +91,7 @@ def power_table(cells: Cells, figs: dict, variants: Sequence[str], rs: Sequence[
                 if x is None:
                     row.append("—")
                 elif v in ("N0", "F"):
-                    row.append(f"{sum(o.reject for o in x)}/{len(x)}")
+                    row.append(rate(sum(o.reject for o in x), len(x)))
                 else:
                     row.append(f"{power(x):.2f}")
             need = cellf["power_095"]
@@ -132,25 +134,30 @@ def method_table(figs: dict, rs: Sequence[int]) -> str:
     return "\n".join(lines)
 
 
-def targets(figs: dict, cells: Cells, tokens: dict[str, float], c: int, scored: float) -> list[str]:
+def targets(
+    figs: dict, cells: Cells, tokens: dict[str, float], c: int, scored: float, alpha: float, race: dict
+) -> list[str]:
     """The issue's targets for canaryd, each with what this run measured (printed, not asserted).
 
-    ``c``: canaries per cycle; ``scored``: the answer tokens per greedy request, what a reference check
-    scores (Token-DiFR's unit)."""
+    ``c``: canaries per cycle; ``scored``: the answer tokens per greedy request, what a reference scores
+    (Token-DiFR's unit); ``race``: `detection_race.race` of the same cells."""
     lines = []
     # the fleet is honest for canaryd's own modes; for the reference check its bf16 member is a true mismatch
     honest = [("canaryd", "N0"), ("canaryd", "F"), ("canaryd teacher-forced", "N0")]
-    honest += [("canaryd teacher-forced", "F"), ("canaryd reference", "N0")]
+    honest += [("canaryd teacher-forced", "F"), (REFERENCE_ROW, "N0")]
     for name, variant in honest:
         by_r = cells.get((name, variant), {})
-        hits = sum(o.reject for x in by_r.values() for o in x)
-        tests = sum(len(x) for x in by_r.values())
-        if tests:
-            worst = max(sum(o.reject for o in x) / len(x) for x in by_r.values())
-            lines.append(
-                f"{name}: 0 false alarms on {variant}: {'met' if hits == 0 else 'NOT met'} "
-                f"({hits} of {tests} tests; at most {worst:.1%} of one budget's, where α bounds each)"
-            )
+        if not by_r:
+            continue
+        worst_r = max(by_r, key=lambda r: sum(o.reject for o in by_r[r]))
+        hits, n = sum(o.reject for o in by_r[worst_r]), len(by_r[worst_r])
+        high = clopper_pearson(hits, n)[1]
+        met = all(sum(o.reject for o in x) <= alpha * len(x) for x in by_r.values()) and high < 2 * alpha
+        lines.append(
+            f"{name}: per-test false alarms on {variant} ≤ α with the 95% upper bound below 2α: "
+            f"{'met' if met else 'NOT met'} (worst budget r = {worst_r:g}: {hits}/{n}, upper bound "
+            f"{high:.4f}{'' if high < 2 * alpha else f'; 0 hits need ≥ {zero_hit_tests(alpha)} tests'})"
+        )
     for name in ("canaryd", "canaryd teacher-forced"):
         if name not in figs["methods"]:
             continue
@@ -163,31 +170,34 @@ def targets(figs: dict, cells: Cells, tokens: dict[str, float], c: int, scored: 
                 else f"not measurable (one request costs {tokens[name]:.0f} tokens)"
             )
         )
-    for name in ("canaryd", "canaryd teacher-forced"):
-        ours = figs["methods"].get(name)
-        for peer in ("LT (top-20, 1 token)", "MET (Hamming MMD, T=1)"):
-            theirs = figs["methods"].get(peer)
-            if ours is None or theirs is None:
-                continue
-            common = sorted(set(ours["ladder_auc"]) & set(theirs["ladder_auc"]))
-            behind = [r for r in common if ours["ladder_auc"][r] < theirs["ladder_auc"][r]]
-            lines.append(
-                f"{name}: ladder AUC ≥ {peer.split()[0]}'s at every equal request budget: "
-                + ("met" if not behind else "NOT met at r = " + ", ".join(map(str, behind)))
-            )
-    for variant in ("Q2", "Q1"):
-        cell = figs["cells"].get(f"canaryd reference | {variant}")
-        if cell is None:
-            continue
-        fits = [r for r in cell["auc_vs_n0"] if c * r * scored <= SCORED_TARGET]
-        if not fits:
-            lines.append(f"reference check on {variant} within {SCORED_TARGET} scored tokens: not measurable")
-            continue
-        r = max(fits)
-        auc = cell["auc_vs_n0"][r]
+    verdicts: dict[str, list[str]] = {}
+    for x in race["equal_tokens"]:
+        verdicts.setdefault(x["peer"], []).append(x["verdict"])
+    for peer, vs in verdicts.items():
+        behind = vs.count("behind")
         lines.append(
-            f"reference check catches {variant} at AUC ≥ 0.999 within {SCORED_TARGET} scored tokens: "
-            f"{'met' if auc >= 0.999 else 'NOT met'} (AUC {auc:.3f} at r = {r}, "
-            f"{round(c * r * scored)} scored tokens)"
+            f"canaryd's best mode never behind {peer} by more than 0.01 at equal tokens (CI): "
+            f"{'met' if not behind else 'NOT met'} ({vs.count('ahead')} ahead, {vs.count('tie')} tie, "
+            f"{behind} behind of {len(vs)} budgets)"
         )
+    for name in (DIFR, REFERENCE_ROW):
+        for variant in ("Q2", "Q1"):
+            cell = figs["cells"].get(f"{name} | {variant}")
+            if cell is None:
+                continue
+            fits = [r for r in cell["auc_vs_n0"] if c * r * scored <= SCORED_TARGET]
+            if not fits:
+                continue
+            r = max(fits)
+            auc = cell["auc_vs_n0"][r]
+            lines.append(
+                f"{name} catches {variant} at AUC ≥ 0.999 within {SCORED_TARGET} scored tokens (Token-DiFR's "
+                f"target): {'met' if auc >= 0.999 else 'NOT met'} (AUC {auc:.3f} at r = {r:g}, "
+                f"{round(c * r * scored)} scored tokens)"
+            )
     return lines
+
+
+def zero_hit_tests(alpha: float) -> int:
+    """How many tests without an alarm bring the Clopper–Pearson upper bound below 2α."""
+    return next(n for n in range(1, 10**6) if clopper_pearson(0, n)[1] < 2 * alpha)

@@ -1,4 +1,4 @@
-"""The published detectors canaryd is measured against, as pure functions: LT and MET.
+"""The published detectors canaryd is measured against, as pure functions: LT, MET and Token-DiFR.
 
 These are competitors re-implemented for the detection bench, not canaryd features.
 
@@ -16,6 +16,21 @@ prompt-blocked kernel k((x, y), (x', y')) = 1{x = x'} · Hamming(y, y') / L, whe
 positions of the two completions right-padded to L tokens (a unit diagonal). The p-value comes from
 permutations that swap the two samples' labels within each prompt (the paper shows permutation and
 simulated-null p-values give similar power).
+
+**LT's production rule** (its repository's `lt_on_apis.py`, ``detect_changes``), what its authors run on
+real APIs instead of the lab p-value: a test's statistic alarms when it lies more than 12 standard
+deviations above the mean of the 100 statistics before it, leaving out the 48 (2 × 24 requests per test)
+just before it, and exceeds 1.0 in absolute terms. (The repository then keeps one peak per 24 tests;
+a single test's alarm is what the bench counts.) Its lab results rank detectors by the raw statistic
+(`sampling/common.py`, ``AnalysisResult.auc``), not by the p-value.
+
+**Token-DiFR** (Karvonen et al.; `difr/token_difr_vllm.py`, ``compute_margin_batch``): the verifier
+re-runs the provider's tokens through its own copy of the model; per token, the margin is the largest
+(Gumbel-noised) logit minus the provider's token's, where the noise is the sampler's own, reproduced from
+the shared seed and scaled by the temperature, and the real logits are not divided by it. At T = 0 there is
+no noise and the margin is the greedy margin, top-1 − token, which logprobs give as well as logits (they
+differ by one constant per position). A score is the mean margin over a test's tokens. It reads tokens
+only: the provider's reported logprobs play no part.
 
 Both p-values are Monte-Carlo permutation p-values (1 + #{T_b ≥ T}) / (B + 1), valid at any B.
 """
@@ -85,6 +100,53 @@ def lt_test(
     observed = float(_lt_stat(m, labels[None, :])[0])
     permuted = _lt_stat(m, rng.permuted(np.tile(labels, (permutations, 1)), axis=1))
     return PermutationTest(observed, _p_value(observed, permuted), permutations)
+
+
+# LT's production detector (lt_on_apis.py): its constants
+LT_SIGMAS = 12.0
+LT_HISTORY = 100
+LT_EXCLUDED = 48
+LT_ABSOLUTE = 1.0
+
+
+def lt_production_alarm(history: Sequence[float], statistic: float) -> bool:
+    """LT's production rule for one test: ``history`` is the LT_HISTORY statistics of the tests before it,
+    the LT_EXCLUDED nearest already left out. It alarms when the statistic lies more than LT_SIGMAS
+    (population) standard deviations above their mean, a zero spread counting any excess as infinitely
+    many, and exceeds LT_ABSOLUTE."""
+    if len(history) < 2:
+        raise ValueError("LT production rule: needs a history of at least two statistics")
+    h = np.asarray(history, dtype=np.float64)
+    mean, std = float(h.mean()), float(h.std())
+    above = statistic > mean if std == 0 else (statistic - mean) / std > LT_SIGMAS
+    return bool(above and statistic > LT_ABSOLUTE)
+
+
+# -- Token-DiFR ------------------------------------------------------------------------------------------
+def difr_margin(
+    logits: Mapping[str, float],
+    gold: str,
+    *,
+    temperature: float = 0.0,
+    gumbels: Mapping[str, float] | None = None,
+) -> float:
+    """Token-DiFR's margin at one position: max over tokens of (logit + temperature · gumbel) minus the
+    provider's token's own, from the verifier's logits (or logprobs) over the tokens it returned; the
+    provider's token must be among them. ``gumbels``: the sampler's noise per token, reproduced from the
+    shared seed (needed when temperature > 0)."""
+    if gold not in logits:
+        raise ValueError(f"Token-DiFR: the provider's token {gold!r} is not among the verifier's logits")
+    if temperature > 0 and gumbels is None:
+        raise ValueError("Token-DiFR: a temperature above 0 needs the seeded sampler's Gumbel noise")
+    noised = {t: v + (temperature * gumbels[t] if temperature > 0 else 0.0) for t, v in logits.items()}
+    return max(noised.values()) - noised[gold]
+
+
+def difr_score(positions: Sequence[tuple[Mapping[str, float], str]], **kw) -> float:
+    """The mean margin over a sequence of (verifier logits, provider's token) positions."""
+    if not positions:
+        raise ValueError("Token-DiFR: no token to score")
+    return float(np.mean([difr_margin(lg, gold, **kw) for lg, gold in positions]))
 
 
 # -- MET -------------------------------------------------------------------------------------------------

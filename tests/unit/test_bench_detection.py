@@ -11,7 +11,9 @@ from datetime import UTC, datetime
 import pytest
 
 from bench.detection_lab import SHIM_MODES, Served, Shim, check_key, composed
-from bench.detection_methods import Reference, canaryd_reference, deployment, judged, shim_outcomes
+from bench.detection_methods import REFERENCE_ROW, Reference, canaryd_reference, deployment, judged
+from bench.detection_peers import DIFR, LT, LT_P, LT_PROD, difr_method, lt_method, lt_windows, split
+from bench.detection_shim import shim_outcomes
 from canaryd.backends.noise import CAP, NoiseModel, Realistic
 from canaryd.canaries import Canary, Decoding
 from canaryd.judge.compare import Verdict
@@ -103,6 +105,61 @@ def test_the_reference_row_alarms_where_an_answer_parts_or_its_logprobs_move():
     assert all(o.reject for o in out[1])
 
 
+def lt_obs(top: dict[str, float]) -> Observation:
+    o = obs("f32", max(top.values()))
+    o.tokens = [TokenLogprob(max(top, key=top.get), max(top.values()), top=tuple(top.items()))]
+    return o
+
+
+def test_lt_is_deployed_where_canaryd_is_and_scored_by_its_statistic():
+    """On a fleet LT takes its reference through the balancer, as canaryd calibrates there: the fleet's own
+    rows then give statistic 0 and no alarm, where the lone baseline server's reference alarms on all."""
+    lone, fleet_rows = lt_obs({"a": -0.1, "b": -2.5}), lt_obs({"a": -0.3, "b": -1.5})
+    ref = Reference([CANARY], {"c": [obs("f32", -0.5)] * 4}, {}, {}, {}, [lone] * 8, 4)
+    fleet = served("F", [obs("f32", -0.5)] * 4)
+    fleet.lt = [fleet_rows] * 8
+    misdeployed = split({("LT", "F"): lt_method(ref, fleet, Settings(), 0.01, random.Random(0))})
+    fleet.extra["lt calibration"] = {"lt": fleet.lt}
+    deployed = split({("LT", "F"): lt_method(ref, fleet, Settings(), 0.01, random.Random(0))})
+    # budgets: C·r = 1, 2 and the paper's N = 10 (one canary here); the reference window is K·C = 4 rows
+    assert set(deployed[("LT", "F")]) == {1, 2, 10}
+    assert not any(o.reject for x in deployed[("LT", "F")].values() for o in x)
+    assert all(o.score < 1e-12 for x in deployed[("LT", "F")].values() for o in x)  # 0 up to rounding
+    # |Δ| = 0.2 and 1.0 over the union {a, b}: the statistic is 0.6; −p and the production rule beside it
+    wrong = misdeployed[("LT", "F")][10]
+    assert all(o.reject and o.score == pytest.approx(0.6) for o in wrong)
+    assert all(o.score < 0 for o in misdeployed[(LT_P, "F")][10])
+    assert not any(o.reject for o in misdeployed[(LT_PROD, "F")][10])  # 0.6 ≤ 1.0: production stays quiet
+
+
+def test_token_difr_scores_the_greedy_margin_of_each_answer_under_the_reference():
+    """Each answer's tokens re-scored on the reference: an honest answer is the reference's own greedy
+    choice (margin 0); an answer whose token the reference ranks 0.8 below its top has margin 0.8."""
+    ref = Reference([CANARY], {"c": [obs("f32", -0.5, "5")] * 4}, {}, {}, {}, [], 4)
+    ref.scored = {
+        check_key(obs("f32", -0.5, "5")): (TokenLogprob("5", -0.2, top=(("5", -0.2), ("6", -1.0))),),
+        check_key(obs("f32", -0.7, "6")): (TokenLogprob("6", -1.0, top=(("5", -0.2), ("6", -1.0))),),
+    }
+    honest = difr_method(ref, served("N0", [obs("f32", -0.5, "5")] * 4), Settings(), 0.01, random.Random(0))
+    assert not any(o.reject or o.score for x in honest.values() for o in x)
+    # the provider's logprobs play no part: an honest text with other reported logprobs is still honest
+    same_text = difr_method(
+        ref, served("N0", [obs("f32", -0.9, "5")] * 4), Settings(), 0.01, random.Random(0)
+    )
+    assert not any(o.reject for x in same_text.values() for o in x)
+    half = difr_method(
+        ref,
+        served("G", [obs("f32", -0.5, "5"), obs("f32", -0.7, "6")] * 2),
+        Settings(trials=400),
+        0.01,
+        random.Random(0),
+    )
+    assert sorted({round(o.score, 9) for o in half[1]}) == [0.0, 0.8]
+    assert all(o.reject == (o.score > 0) for o in half[2])
+    assert 0.65 < sum(o.reject for o in half[2]) / 400 < 0.85
+    assert DIFR.startswith("Token-DiFR")
+
+
 @dataclass(frozen=True)
 class ShimSettings:
     r_probes: tuple[int, ...] = (1, 2)
@@ -147,13 +204,19 @@ def test_the_shim_moves_every_canaryd_mode_and_lt_alike(level):
             key = check_key(obs("f32", lp, canary=cid, n=4))
             ref.checks[key], ref.scored[key] = same, tuple(obs("f32", -0.5, canary=cid, n=4).tokens)
     servers = {"N0": [server("N0", -0.5)], "G": [server("G", -1.5)]}
-    out = shim_outcomes(level, ref, servers, ShimSettings(), 0.01, 0)
+    out = split(shim_outcomes(level, ref, servers, ShimSettings(), 0.01, 0))
     # the provider's shimmed logprobs lie off the reference's, within the floor its calibration shows
-    for name in ("canaryd", "canaryd teacher-forced", "canaryd reference"):
+    for name in ("canaryd", "canaryd teacher-forced", REFERENCE_ROW):
         assert sum(len(x) for x in out[(name, "N0")].values()) == 2 * 40
         assert sum(o.reject for x in out[(name, "N0")].values() for o in x) <= 4  # α = 0.01 per test
         assert all(o.reject for o in out[(name, "G")][1])
-    assert set(out[("LT (top-20, 1 token)", "G")]) == {1, 2}
+    # LT at C·r per budget and its paper's N = 10 (no token counts here, so no equal-token windows), with its
+    # companion rows on the same trials
+    assert set(out[(LT, "G")]) == {1, 2, 10 / 6} == set(lt_windows(ref, ShimSettings()))
+    for row in (LT_P, LT_PROD):
+        assert {r: len(x) for r, x in out[(row, "N0")].items()} == {
+            r: len(x) for r, x in out[(LT, "N0")].items()
+        }
 
 
 def test_the_realistic_shim_moves_logprobs_by_its_paths_and_never_a_token():

@@ -1,0 +1,104 @@
+"""The detection bench's intervals: the bootstrap interval of an AUC covers the true AUC about as often
+as it claims, a paired difference of equal methods is a tie, Clopper–Pearson bounds match known values."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from bench.detection_methods import Outcome
+from bench.detection_peers import LT
+from bench.detection_race import race
+from bench.intervals import Interval, auc_difference, auc_interval, clopper_pearson, rate, verdict
+from bench.peers import roc_auc
+
+
+def test_the_auc_interval_covers_the_true_auc_at_its_level() -> None:
+    # changed-server scores N(δ, 1) against honest N(0, 1): the true AUC is Φ(δ/√2)
+    delta, n, reps = 0.8, 60, 200
+    truth = 0.5 * (1 + math.erf(delta / 2))
+    rng = np.random.default_rng(0)
+    covered = 0
+    for i in range(reps):
+        pos, neg = list(rng.normal(delta, 1, n)), list(rng.normal(0, 1, n))
+        iv = auc_interval(pos, neg, rng=rng, resamples=200)
+        if i < 3:  # the point estimate is the Mann–Whitney AUC
+            assert iv.value == pytest.approx(roc_auc(pos, neg))
+        covered += iv.low <= truth <= iv.high
+    # 95% claimed; the percentile bootstrap at n = 60 runs a little under it. Over 200 replications the
+    # rate lies within ±4.6 standard errors of 0.95 except with negligible probability
+    assert 0.88 <= covered / reps <= 0.995
+
+
+def test_the_interval_ranks_tuples_and_counts_ties_half() -> None:
+    rng = np.random.default_rng(1)
+    iv = auc_interval([(True, 1.0), (False, 2.0)], [(False, 2.0), (False, 0.5)], rng=rng, resamples=50)
+    assert iv.value == pytest.approx(roc_auc([(True, 1.0), (False, 2.0)], [(False, 2.0), (False, 0.5)]))
+    assert iv.low <= iv.value <= iv.high
+
+
+def test_a_paired_difference_of_one_method_with_itself_is_a_tie_and_a_better_one_is_ahead() -> None:
+    rng = np.random.default_rng(2)
+    pos, neg = list(rng.normal(0.5, 1, 200)), list(rng.normal(0, 1, 200))
+    same = auc_difference((pos, neg), (pos, neg), rng=rng, resamples=200)
+    assert (same.value, same.low, same.high) == (0.0, 0.0, 0.0)
+    assert verdict(same) == "tie"
+    sharper = [p + 1.5 for p in pos]  # the same trials, each scored further from the honest ones
+    d = auc_difference((sharper, neg), (pos, neg), rng=rng, resamples=200)
+    assert d.low > 0.1
+    assert verdict(d) == "ahead"
+    assert verdict(auc_difference((pos, neg), (sharper, neg), rng=rng, resamples=200)) == "behind"
+
+
+def test_a_difference_inside_its_margin_reads_as_a_tie() -> None:
+    assert verdict(Interval(0.02, 0.011, 0.03), margin=0.01) == "ahead"
+    assert verdict(Interval(-0.005, -0.02, 0.01), margin=0.01) == "tie"
+    assert verdict(Interval(-0.015, -0.019, -0.011), margin=0.01) == "behind"
+    assert verdict(Interval(-0.009, -0.009, -0.009), margin=0.01) == "tie"  # a loss within the tolerance
+    assert verdict(Interval(math.nan, math.nan, math.nan)) == "n/a"
+    assert f"{Interval(0.01, -0.02, 0.04):+}" == "+0.010 [-0.020, +0.040]"
+
+
+def test_clopper_pearson_against_known_values() -> None:
+    assert clopper_pearson(0, 800) == pytest.approx((0.0, 1 - 0.025 ** (1 / 800)))
+    assert clopper_pearson(100, 100) == pytest.approx((0.025 ** (1 / 100), 1.0))
+    # binom.test(5, 100) in R: 0.01643187 0.11283491
+    assert clopper_pearson(5, 100) == pytest.approx((0.01643187, 0.11283491), abs=1e-7)
+    assert rate(0, 369) == "0/369 (≤ 0.010)"
+    with pytest.raises(ValueError, match="hits"):
+        clopper_pearson(3, 2)
+
+
+def test_the_race_sets_each_method_at_its_largest_budget_within_canaryds_tokens() -> None:
+    """At equal tokens LT (2 tokens a request) gets the window whose tokens fit canaryd's test, and the
+    difference from canaryd's best mode within the budget carries its verdict."""
+    rng = np.random.default_rng(3)
+
+    def outcomes(perfect: bool, changed: bool, n: int = 40) -> list[Outcome]:
+        return [
+            Outcome(perfect and changed, float(changed) if perfect else float(rng.normal())) for _ in range(n)
+        ]
+
+    cells: dict = {}
+    for name, rs, perfect in (
+        ("canaryd", (1, 2), True),
+        ("canaryd teacher-forced", (1, 2), False),
+        (LT, (1, 2, 10 / 6, 16 / 6, 49), False),
+    ):
+        for variant in ("N0", "Q1"):
+            cells[(name, variant)] = {r: outcomes(perfect, variant != "N0") for r in rs}
+    tokens = {"canaryd": 98.0, "canaryd teacher-forced": 16 / 6, LT: 2.0}
+    result = race(cells, ["Q1"], 6, tokens, seed=0, resamples=100)
+    at = {(x["tokens"], x["peer"]): x for x in result["equal_tokens"]}
+    # canaryd's budgets: 588 and 1,176 (chat), 16 and 32 (teacher-forced)
+    assert sorted({x["tokens"] for x in result["equal_tokens"]}) == [16, 32, 588, 1176]
+    assert at[(32, LT)]["peer_r"] == 16 / 6 and at[(16, LT)]["peer_r"] == 1  # 32 and 12 tokens
+    assert at[(588, LT)]["peer_r"] == 49 and at[(1176, LT)]["peer_r"] == 49
+    assert at[(588, LT)]["ours"] == "canaryd" and at[(588, LT)]["verdict"] == "ahead"
+    # at equal requests each mode meets LT at the same r
+    assert {(x["r"], x["ours"]) for x in result["equal_requests"]} == {
+        (r, m) for r in (1, 2) for m in ("canaryd", "canaryd teacher-forced")
+    }
+    assert result["per"]["canaryd"][1]["false_alarms"]["N0"][:2] == (0, 40)
