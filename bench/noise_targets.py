@@ -31,7 +31,7 @@ SQLite store and its own draws. Noise models: the realistic model's presets (``n
 * **Sampled canaries**: a 20-sample canary at temperature 1 (three answers) under gpu-bf16, judged by
   its two-sample tests at ``[compare] alpha``.
 
-    python bench/noise_targets.py [--quick] [--deployments N] [--seed S]
+    python bench/noise_targets.py [--quick] [--deployments N] [--seed S] [--models a,b]
 
 ``--quick``: gpu-bf16 and Gaussian sd 0.01, one deployment each, the Gaussian one 300 passes (every draw is
 new, so each is judged in full) and without its alert row. The judge parses each stored noise model once
@@ -585,10 +585,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--deployments", type=int, help="deployments per model (default: 1 quick, 2 full)")
     # the draws are seeded, but the pass sends canaries from worker threads, which order them: runs differ
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--models", help=f"comma-separated, of: {', '.join(MODELS)} (default: all, or quick's)")
     args = ap.parse_args(argv)
     log.configure("critical")
     n = args.deployments or (1 if args.quick else 2)
-    models = {k: MODELS[k] for k in ("gpu-bf16", "gaussian sd 0.01")} if args.quick else MODELS
+    names = args.models.split(",") if args.models else ["gpu-bf16", "gaussian sd 0.01"] if args.quick else MODELS
+    unknown = [m for m in names if m not in MODELS]
+    if unknown:
+        ap.error(f"--models: unknown {', '.join(unknown)} (known: {', '.join(MODELS)})")
+    models = {k: MODELS[k] for k in names}
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="noise-targets-") as tmp:
         root = Path(tmp)
