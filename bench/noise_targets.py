@@ -589,7 +589,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     log.configure("critical")
     n = args.deployments or (1 if args.quick else 2)
-    names = args.models.split(",") if args.models else ["gpu-bf16", "gaussian sd 0.01"] if args.quick else MODELS
+    quick = ["gpu-bf16", "gaussian sd 0.01"]
+    names = args.models.split(",") if args.models else quick if args.quick else list(MODELS)
     unknown = [m for m in names if m not in MODELS]
     if unknown:
         ap.error(f"--models: unknown {', '.join(unknown)} (known: {', '.join(MODELS)})")
