@@ -1,7 +1,7 @@
 """The evaluation harnesses under canaryd, against real vLLM CPU servers (float32 and bfloat16, the same
 tiny weights) behind a balancer whose pool each test sets. Nothing between a harness and canaryd is mocked.
 
-A real `inspect eval` of a tiny task (tests/fixtures/inspect/arith.py, 20 samples) with canaryd's hook,
+A real `inspect eval` of a tiny task (tests/harness/inspect_arith.py, 20 samples) with canaryd's hook,
 installed through the ``inspect_ai`` entry point:
 
 * hook off (no ``CANARYD_CONFIG``): the log has no canaryd metadata and no record is written;
@@ -33,7 +33,7 @@ from tests.harness.lab import Lab
 
 pytestmark = pytest.mark.vllm
 
-TASK = Path(__file__).resolve().parents[1] / "fixtures" / "inspect" / "arith.py"
+TASK = Path(__file__).resolve().parents[1] / "harness" / "inspect_arith.py"
 SUITE = """
 [suite]
 name = "gate"
