@@ -217,7 +217,7 @@ class Daemon:
         is due just before the holder's next pass: if the holder was killed (its presence gone), this
         daemon probes the backend then, on the holder's schedule; if it is alive, that pass only claims,
         and asks again when the lease ends (a hung holder's backends are taken over then)."""
-        held, ends_in = self.tenure.claim(gen.lease_s, backends)
+        held, ends_in = self.tenure.claim(gen.lease_s, backends, gen.plan)
         if not self.stop_event.is_set():
             for b, seconds in ends_in.items():
                 due = seconds - (gen.lease_s[b] - gen.gap_s[b])  # the holder's next pass, without jitter

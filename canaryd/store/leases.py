@@ -27,6 +27,17 @@ holder keeps its connection, hence its presence: its backends go when its leases
 presence is recorded only while it is visible through the database's own connections (a pooler that
 hides it leaves the column NULL, and that holder's leases simply expire). SQLite keeps the single-daemon
 behaviour: no lease is written and every backend is this daemon's.
+
+**Shares.** With a `Plan` (the daemon's claims), the fleet shares the backends: each claim first records
+this daemon in the ``daemon`` table (its presence, its last claim ``seen``, its shortest lease), reads the
+live daemons (presence showing, ``seen`` within their lease) and computes who probes each backend
+(`canaryd.shares.assign`: every daemon computes the same from the same rows). A backend that hashes to
+this daemon but is held by another live one is taken from it at its holder's next pass (from `EARLY_S`
+before it is due: the holder probed it an interval ago, and does not probe it again, since its own claim
+then finds it taken): the handover needs no release, so it only happens once the new owner is live and
+asking, and no pass is missed or doubled. Any other backend is claimed as before (free, expired, or its
+holder's presence gone), so nothing waits for its owner to come. A daemon that stops deletes its row with
+its leases; a killed one's row stays (not live) until pruned.
 """
 
 from __future__ import annotations
@@ -39,6 +50,7 @@ from typing import NamedTuple
 
 from sqlalchemy import Connection, text
 
+from canaryd.shares import assign
 from canaryd.store.engine import Connected
 
 # A late pass keeps its lease if it starts within this share of an interval (APScheduler's own lateness
@@ -47,14 +59,49 @@ GRACE = 0.25
 GRACE_MIN_S = 1.0
 GRACE_MAX_S = 30.0
 
-_CLAIM = text("""
-INSERT INTO lease (backend, holder, expires, presence)
-SELECT b, :holder, now() + make_interval(secs => s),
-       (SELECT a.application_name FROM pg_stat_activity a
-        WHERE a.application_name = CAST(:presence AS text) LIMIT 1)
-FROM unnest(CAST(:backends AS text[]), CAST(:seconds AS float8[])) AS t(b, s)
+# A backend that hashes here is taken from a live holder this long before the holder's next pass is due
+# (a standby asks `TAKEOVER_EARLY_S` before it, `canaryd.daemon.service`).
+EARLY_S = 0.5
+# A dead daemon's row (presence gone, or not seen for this many of its leases) is deleted by the next claim.
+PRUNE_LEASES = 10
+
+_VISIBLE = (
+    "(SELECT a.application_name FROM pg_stat_activity a "
+    "WHERE a.application_name = CAST(:presence AS text) LIMIT 1)"
+)
+_HEARTBEAT = text(f"""
+INSERT INTO daemon (holder, instance, presence, started, seen, lease_s)
+VALUES (:holder, :instance, {_VISIBLE}, now(), now(), :lease_s)
+ON CONFLICT (holder) DO UPDATE SET presence = excluded.presence, seen = now(), lease_s = excluded.lease_s
+""")
+_LIVE_WHERE = (
+    "d.seen + make_interval(secs => d.lease_s) > now() AND (d.presence IS NULL OR EXISTS "
+    "(SELECT 1 FROM pg_stat_activity a WHERE a.application_name = d.presence))"
+)
+_LIVE = text(f"SELECT d.holder FROM daemon d WHERE {_LIVE_WHERE}")
+_PRUNE = text(
+    f"DELETE FROM daemon d WHERE d.holder <> :holder AND NOT ({_LIVE_WHERE}) "
+    f"AND d.seen + make_interval(secs => d.lease_s * {PRUNE_LEASES}) < now()"
+)
+# Backends that hash here, held by another daemon whose next pass is due within EARLY_S (its lease's end
+# less the grace the lease adds to its interval): locked in one order, then taken.
+_TAKE = text(f"""
+UPDATE lease SET holder = :holder, expires = now() + make_interval(secs => t.s), presence = {_VISIBLE},
+       weight = t.w
+FROM unnest(CAST(:backends AS text[]), CAST(:seconds AS float8[]), CAST(:graces AS float8[]),
+            CAST(:weights AS float8[])) AS t(b, s, g, w)
+WHERE lease.backend = t.b AND lease.backend IN (
+    SELECT l.backend FROM lease l WHERE l.backend = ANY(CAST(:backends AS text[]))
+    ORDER BY l.backend FOR UPDATE)
+  AND lease.holder <> :holder AND lease.expires - make_interval(secs => t.g + {EARLY_S}) <= now()
+""")
+_CLAIM = text(f"""
+INSERT INTO lease (backend, holder, expires, presence, weight)
+SELECT b, :holder, now() + make_interval(secs => s), {_VISIBLE}, w
+FROM unnest(CAST(:backends AS text[]), CAST(:seconds AS float8[]), CAST(:weights AS float8[])) AS t(b, s, w)
 ON CONFLICT (backend) DO UPDATE
-SET holder = excluded.holder, expires = excluded.expires, presence = excluded.presence
+SET holder = excluded.holder, expires = excluded.expires, presence = excluded.presence,
+    weight = excluded.weight
 WHERE lease.expires < now() OR lease.holder = excluded.holder
    OR (lease.presence IS NOT NULL
        AND NOT EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.application_name = lease.presence))
@@ -71,6 +118,17 @@ def lease_seconds(interval_s: float, jitter_s: float = 0.0) -> float:
     of APScheduler's jitter, which only delays a pass) is due, plus a grace for a pass that starts late.
     A longer lease delays a takeover; a shorter one hands a backend over whenever a pass starts late."""
     return interval_s + jitter_s + min(max(GRACE * interval_s, GRACE_MIN_S), GRACE_MAX_S)
+
+
+class Plan(NamedTuple):
+    """What a daemon's claims share the backends by (`canaryd.daemon.generation.Generation.plan`): every
+    backend's weight (`canaryd.shares.weights`), the grace its lease adds to its holder's interval (so a
+    claim knows when the holder's next pass is due), and this daemon's shortest lease (it is live while its
+    last claim is more recent)."""
+
+    weight: Mapping[str, float]
+    grace: Mapping[str, float]
+    live_s: float
 
 
 class Lease(NamedTuple):
@@ -100,36 +158,68 @@ class Leases(Connected):
     lease_holder: str  # `holder_name`: this process's name in the lease table
     _presence: Connection | None = None  # the idle connection that says this process is alive
     _presence_lock: threading.Lock  # the daemon's passes claim from several threads
+    instance: str
+    _assigned: tuple[tuple, dict[str, str]] | None = None  # ((live set, weights), assignment) last computed
 
     @property
     def leased(self) -> bool:
         """Whether backends are leased (PostgreSQL); on SQLite this daemon holds them all."""
         return self.engine.dialect.name == "postgresql"
 
-    def claim_leases(self, seconds: Mapping[str, float]) -> dict[str, Lease]:
+    def claim_leases(self, seconds: Mapping[str, float], plan: Plan | None = None) -> dict[str, Lease]:
         """Take or renew the lease of each backend (for its number of seconds from now, on the database's
-        clock) unless another live holder has it; every backend's lease after the claim (held by
-        `lease_holder` where this process got it)."""
+        clock) unless another live holder has it, or, with a `Plan`, unless it hashes to this daemon and
+        its holder's next pass is due; every backend's lease after the claim (held by `lease_holder` where
+        this process got it)."""
         if not self.leased:
             return {b: Lease(self.lease_holder, s) for b, s in seconds.items()}
         names = sorted(seconds)  # one lock order for every claimer: overlapping claims cannot deadlock
         presence = self._present()
+        params = {
+            "holder": self.lease_holder,
+            "presence": presence,
+            "backends": names,
+            "seconds": [float(seconds[b]) for b in names],
+            "weights": [plan.weight.get(b) if plan else None for b in names],
+        }
         with self.engine.begin() as conn:
-            mine = conn.execute(
-                _CLAIM,
-                {
-                    "holder": self.lease_holder,
-                    "presence": presence,
-                    "backends": names,
-                    "seconds": [float(seconds[b]) for b in names],
-                },
-            ).scalars()
+            if plan is not None:
+                ours = [b for b in self._ours(conn, plan, presence) if b in seconds]
+                if ours:
+                    take = dict(params, backends=ours, seconds=[float(seconds[b]) for b in ours])
+                    take["graces"] = [float(plan.grace[b]) for b in ours]
+                    take["weights"] = [plan.weight[b] for b in ours]
+                    conn.execute(_TAKE, take)
+            mine = conn.execute(_CLAIM, params).scalars()
             leases = {b: Lease(self.lease_holder, seconds[b]) for b in mine}
             rest = [b for b in names if b not in leases]
             if rest:
                 for b, holder, ends_in in conn.execute(_HOLDERS, {"backends": rest}):
                     leases[b] = Lease(holder, max(0.0, float(ends_in)))
         return {b: leases.get(b, Lease(None, 0.0)) for b in names}
+
+    def _ours(self, conn: Connection, plan: Plan, presence: str | None) -> list[str]:
+        """Record this daemon as live, read the live set: the backends of the plan that hash here, sorted
+        (the live set and its assignment are kept while the live set stays the same)."""
+        conn.execute(
+            _HEARTBEAT,
+            {
+                "holder": self.lease_holder,
+                "instance": self.instance,
+                "presence": presence,
+                "lease_s": plan.live_s,
+            },
+        )
+        conn.execute(_PRUNE, {"holder": self.lease_holder})
+        live = tuple(sorted(conn.execute(_LIVE).scalars()))
+        key = (live, id(plan.weight))
+        if self._assigned is None or self._assigned[0] != key:
+            self._assigned = (key, assign(plan.weight, live))
+        return sorted(b for b, d in self._assigned[1].items() if d == self.lease_holder)
+
+    def fleet_view(self) -> tuple[str, ...]:
+        """The live daemons at this daemon's last claim (itself alone before the first, or on SQLite)."""
+        return self._assigned[0][0] if self._assigned else (self.lease_holder,)
 
     def _present(self) -> str | None:
         """This process's presence name, its connection (re)opened if it is not alive; None when it cannot
@@ -171,4 +261,6 @@ class Leases(Connected):
             sql += " AND backend = ANY(CAST(:backends AS text[]))"
             params["backends"] = list(backends)
         with self.engine.begin() as conn:
+            if backends is None:  # a stop: this daemon leaves the fleet's live set with its leases
+                conn.execute(text("DELETE FROM daemon WHERE holder = :holder"), params)
             return conn.execute(text(sql), params).rowcount

@@ -1,0 +1,160 @@
+"""A fleet that shares the work: three, then four real daemons (`canaryd run` processes) with one config of
+12 scripted backends, probed every 5 s, on one real PostgreSQL database.
+
+Each live daemon holds its share of the backends (rendezvous hashing over the live daemons, weighted by
+canaries × passes per hour: `canaryd.shares`), reported by `canaryd fleet` and the daemons' metrics. A
+daemon that joins takes its share within an interval of its start; one killed with SIGKILL, then one
+stopped with SIGTERM, has its share taken over when its next pass was due. Throughout, no backend is
+probed twice in one interval (the ``run`` table: consecutive passes of a backend, whoever probed, are never
+closer than half an interval) and none goes longer than its lease without a pass.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections import Counter
+
+import pytest
+
+from canaryd.store import lease_seconds
+from tests.harness.fleet import Fleet, doubles, gaps_after
+from tests.harness.postgres import PostgresServer
+from tests.harness.suites import ADD, suite
+
+SLACK = 1.0  # a pass's late start on this shared machine (tests/e2e/test_failover.py)
+BACKENDS = 12
+INTERVAL = 5.0  # seconds: a pass of a dozen backends fits it even on a busy 2-core machine
+
+
+@pytest.fixture
+def fleet(tmp_path):
+    with PostgresServer() as pg:
+        f = Fleet(
+            tmp_path,
+            pg.create_database("shares"),
+            backends=BACKENDS,
+            interval=INTERVAL,
+            suite=suite("one", "", ADD),
+        )
+        yield f
+        f.stop()
+
+
+def started(fleet: Fleet, instance: str) -> float:
+    """When the daemon logged ``started`` (after its first claim), waited for."""
+    fleet.wait_for(
+        lambda: any(e["event"] == "started" for e in fleet.log(instance)), 60, f"{instance} starts"
+    )
+    return time.time()
+
+
+def shares(fleet: Fleet) -> Counter:
+    return Counter(fleet.holders().values())
+
+
+def balanced(fleet: Fleet, daemons: set[str]) -> bool:
+    """Every backend held, each of ``daemons`` within 5 points of an even share."""
+    held = shares(fleet)
+    n = len(daemons)
+    return (
+        set(held) == daemons
+        and sum(held.values()) == BACKENDS
+        and all(abs(k / BACKENDS - 1 / n) <= 0.05 for k in held.values())
+    )
+
+
+def gauge(fleet: Fleet, instance: str, name: str) -> float:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{fleet.ports[instance]}/metrics", timeout=10).read()
+    (value,) = [float(x.split()[1]) for x in body.decode().splitlines() if x.startswith(name + " ")]
+    return value
+
+
+def max_spacing(runs, after: float) -> float:
+    """The longest time between consecutive passes of a backend, among passes after ``after``."""
+    last: dict[str, float] = {}
+    worst = 0.0
+    for b, _, t in runs:
+        if t > after and b in last:
+            worst = max(worst, t - last[b])
+        last[b] = t
+    return worst
+
+
+def test_daemons_share_the_backends_and_rebalance_on_join_kill_and_stop(fleet):
+    interval, lease = fleet.interval, lease_seconds(fleet.interval)
+    for d in ("d1", "d2", "d3"):
+        fleet.start(d)
+    for d in ("d1", "d2", "d3"):
+        started(fleet, d)
+    # balanced: each within 5 points of a third of the (equally weighted) backends, once the first passes
+    # (a first contact with each backend: slower) are done
+    fleet.wait_for(lambda: balanced(fleet, {"d1", "d2", "d3"}), 60, "three even shares")
+    t_three = time.time()
+    time.sleep(2 * interval)
+    held = shares(fleet)
+    assert balanced(fleet, {"d1", "d2", "d3"}), held
+    out = subprocess.run(
+        [sys.executable, "-m", "canaryd", "-c", str(fleet.root / "d1.toml"), "fleet", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    doc = json.loads(out.stdout)
+    assert out.returncode == doc["exit_code"] == 0, out.stderr
+    live = {d["instance"]: d for d in doc["daemons"] if d["live"]}
+    assert set(live) == {"d1", "d2", "d3"} and doc["backends_leased"] == BACKENDS
+    assert all(abs(d["share"] - 1 / 3) <= 0.05 and d["last_pass_ago_s"] < lease for d in live.values()), doc
+    for d in ("d1", "d2", "d3"):
+        assert gauge(fleet, d, "canaryd_fleet_daemons_live") == 3
+        assert abs(gauge(fleet, d, "canaryd_fleet_weight_share") - 1 / 3) <= 0.05
+        assert gauge(fleet, d, "canaryd_fleet_backends_held") == held[d]
+
+    # a join: d4 takes its share (a quarter) within an interval of its start, from live holders
+    fleet.start("d4")
+    t_join = started(fleet, "d4")
+    time.sleep(interval + SLACK)
+    held = shares(fleet)
+    assert balanced(fleet, {"d1", "d2", "d3", "d4"}), held
+    runs = fleet.runs()
+    for b, h in fleet.holders().items():
+        if h == "d4":
+            first = min(t for rb, i, t in runs if rb == b and i == "d4")
+            assert first <= t_join + interval + SLACK, (b, first - t_join)
+    assert not [e for e in fleet.log("d4") if e["event"] == "lease.acquired" and e["level"] == "warning"]
+
+    # a SIGKILL: the victim's backends are probed when its passes were due
+    fleet.procs["d1"].send_signal(signal.SIGKILL)
+    killed = time.time()
+    fleet.procs["d1"].wait()
+    theirs = {b for b, h in fleet.holders().items() if h == "d1"}
+    fleet.wait_for(
+        lambda: {b for b, i, t in fleet.runs() if i != "d1" and t > killed} >= theirs,
+        lease + 10,
+        "d1's backends taken over",
+    )
+    gaps = gaps_after(fleet.runs(), "d1", killed)
+    assert theirs <= set(gaps) and max(gaps[b] for b in theirs) <= interval + SLACK, gaps
+
+    # a SIGTERM: d2 releases, the others take over at once (at d2's next passes at the latest)
+    time.sleep(interval)
+    theirs = {b for b, h in fleet.holders().items() if h == "d2"}
+    fleet.procs["d2"].send_signal(signal.SIGTERM)
+    assert fleet.procs["d2"].wait(timeout=30) == 0, fleet.tail("d2")
+    stopped = time.time()
+    time.sleep(interval + SLACK)
+    runs = fleet.runs()
+    for b in theirs:
+        assert min(t for rb, i, t in runs if rb == b and t > stopped) <= stopped + interval + SLACK, b
+    fleet.wait_for(lambda: balanced(fleet, {"d3", "d4"}), 2 * interval + SLACK, "two even shares")
+
+    # throughout: never two passes of a backend in one interval, never a backend without a pass for
+    # longer than its lease (an interval, plus the grace of a pass that starts late)
+    runs = fleet.runs()
+    assert doubles(runs, interval) == 0, [r for r in runs if r[2] > t_three]
+    assert max_spacing(runs, t_three) <= lease + SLACK
+    assert time.time() - t_three < 90
