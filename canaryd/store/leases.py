@@ -80,20 +80,23 @@ _LIVE_WHERE = (
 )
 _LIVE = text(f"SELECT d.holder FROM daemon d WHERE {_LIVE_WHERE}")
 _PRUNE = text(
-    f"DELETE FROM daemon d WHERE d.holder <> :holder AND NOT ({_LIVE_WHERE}) "
-    f"AND d.seen + make_interval(secs => d.lease_s * {PRUNE_LEASES}) < now()"
+    f"DELETE FROM daemon WHERE holder IN (SELECT d.holder FROM daemon d WHERE d.holder <> :holder "
+    f"AND NOT ({_LIVE_WHERE}) AND d.seen + make_interval(secs => d.lease_s * {PRUNE_LEASES}) < now() "
+    "FOR UPDATE SKIP LOCKED)"
 )
 # Backends that hash here, held by another daemon whose next pass is due within EARLY_S (its lease's end
-# less the grace the lease adds to its interval): locked in one order, then taken.
+# less the grace the lease adds to its interval). `_LOCK` first locks them in the one order of every
+# claimer (the claim's upsert, a statement of its own, takes its rows in that order too): no deadlock.
+_LOCK = text(
+    "SELECT backend FROM lease WHERE backend = ANY(CAST(:backends AS text[])) ORDER BY backend FOR UPDATE"
+)
 _TAKE = text(f"""
 UPDATE lease SET holder = :holder, expires = now() + make_interval(secs => t.s), presence = {_VISIBLE},
        weight = t.w
 FROM unnest(CAST(:backends AS text[]), CAST(:seconds AS float8[]), CAST(:graces AS float8[]),
             CAST(:weights AS float8[])) AS t(b, s, g, w)
-WHERE lease.backend = t.b AND lease.backend IN (
-    SELECT l.backend FROM lease l WHERE l.backend = ANY(CAST(:backends AS text[]))
-    ORDER BY l.backend FOR UPDATE)
-  AND lease.holder <> :holder AND lease.expires - make_interval(secs => t.g + {EARLY_S}) <= now()
+WHERE lease.backend = t.b AND lease.holder <> :holder
+  AND lease.expires - make_interval(secs => t.g + {EARLY_S}) <= now()
 """)
 _CLAIM = text(f"""
 INSERT INTO lease (backend, holder, expires, presence, weight)
@@ -182,14 +185,16 @@ class Leases(Connected):
             "seconds": [float(seconds[b]) for b in names],
             "weights": [plan.weight.get(b) if plan else None for b in names],
         }
-        with self.engine.begin() as conn:
-            if plan is not None:
+        if plan is not None:  # its own transaction: the claim below locks the rows in one statement
+            with self.engine.begin() as conn:
                 ours = [b for b in self._ours(conn, plan, presence) if b in seconds]
                 if ours:
+                    conn.execute(_LOCK, {"backends": ours})
                     take = dict(params, backends=ours, seconds=[float(seconds[b]) for b in ours])
                     take["graces"] = [float(plan.grace[b]) for b in ours]
                     take["weights"] = [plan.weight[b] for b in ours]
                     conn.execute(_TAKE, take)
+        with self.engine.begin() as conn:
             mine = conn.execute(_CLAIM, params).scalars()
             leases = {b: Lease(self.lease_holder, seconds[b]) for b in mine}
             rest = [b for b in names if b not in leases]

@@ -1,5 +1,5 @@
 """A fleet that shares the work: three, then four real daemons (`canaryd run` processes) with one config of
-12 scripted backends, probed every 5 s, on one real PostgreSQL database.
+12 scripted backends, probed every 3 s, on one real PostgreSQL database.
 
 Each live daemon holds its share of the backends (rendezvous hashing over the live daemons, weighted by
 canaries × passes per hour: `canaryd.shares`), reported by `canaryd fleet` and the daemons' metrics. A
@@ -21,28 +21,35 @@ from collections import Counter
 
 import pytest
 
-from canaryd.store import lease_seconds
+from canaryd.store import Store, lease_seconds
+from canaryd.store.fleet import fleet as members_of
+from canaryd.store.leases import EARLY_S, Plan
 from tests.harness.fleet import Fleet, doubles, gaps_after
 from tests.harness.postgres import PostgresServer
 from tests.harness.suites import ADD, suite
 
 SLACK = 1.0  # a pass's late start on this shared machine (tests/e2e/test_failover.py)
 BACKENDS = 12
-INTERVAL = 5.0  # seconds: a pass of a dozen backends fits it even on a busy 2-core machine
+INTERVAL = 3.0  # seconds: a pass of a dozen backends fits it well on a 2-core machine
+
+
+@pytest.fixture(scope="module")
+def pg():
+    with PostgresServer() as server:
+        yield server
 
 
 @pytest.fixture
-def fleet(tmp_path):
-    with PostgresServer() as pg:
-        f = Fleet(
-            tmp_path,
-            pg.create_database("shares"),
-            backends=BACKENDS,
-            interval=INTERVAL,
-            suite=suite("one", "", ADD),
-        )
-        yield f
-        f.stop()
+def fleet(pg, tmp_path):
+    f = Fleet(
+        tmp_path,
+        pg.create_database("shares"),
+        backends=BACKENDS,
+        interval=INTERVAL,
+        suite=suite("one", "", ADD),
+    )
+    yield f
+    f.stop()
 
 
 def started(fleet: Fleet, instance: str) -> float:
@@ -108,11 +115,22 @@ def test_daemons_share_the_backends_and_rebalance_on_join_kill_and_stop(fleet):
     assert out.returncode == doc["exit_code"] == 0, out.stderr
     live = {d["instance"]: d for d in doc["daemons"] if d["live"]}
     assert set(live) == {"d1", "d2", "d3"} and doc["backends_leased"] == BACKENDS
-    assert all(abs(d["share"] - 1 / 3) <= 0.05 and d["last_pass_ago_s"] < lease for d in live.values()), doc
-    for d in ("d1", "d2", "d3"):
-        assert gauge(fleet, d, "canaryd_fleet_daemons_live") == 3
-        assert abs(gauge(fleet, d, "canaryd_fleet_weight_share") - 1 / 3) <= 0.05
-        assert gauge(fleet, d, "canaryd_fleet_backends_held") == held[d]
+    for (
+        d
+    ) in live.values():  # equal weights: a daemon's share is its count of backends (a move may be under way)
+        assert abs(d["share"] - d["backends"] / BACKENDS) < 1e-3 and d["last_pass_ago_s"] < lease, live
+    assert sum(d["backends"] for d in live.values()) == BACKENDS, live
+    # each daemon's metrics say the same as the lease table (as of its last claim: within an interval)
+    fleet.wait_for(
+        lambda: all(
+            gauge(fleet, d, "canaryd_fleet_daemons_live") == 3
+            and abs(gauge(fleet, d, "canaryd_fleet_weight_share") - 1 / 3) <= 0.05
+            and gauge(fleet, d, "canaryd_fleet_backends_held") == shares(fleet)[d]
+            for d in ("d1", "d2", "d3")
+        ),
+        lease + SLACK,
+        "the daemons' share metrics",
+    )
 
     # a join: d4 takes its share (a quarter) within an interval of its start, from live holders
     fleet.start("d4")
@@ -158,3 +176,33 @@ def test_daemons_share_the_backends_and_rebalance_on_join_kill_and_stop(fleet):
     assert doubles(runs, interval) == 0, [r for r in runs if r[2] > t_three]
     assert max_spacing(runs, t_three) <= lease + SLACK
     assert time.time() - t_three < 90
+
+
+def test_a_backend_moves_to_the_daemon_it_hashes_to_only_when_its_holders_next_pass_is_due(pg):
+    """The claims themselves, with two stores: the first takes every backend; the second, once live, gets
+    none of them before their holder's next pass is due (grace + `EARLY_S` before the lease ends), then
+    exactly its half; the holder's own claim then finds those taken, and `canaryd fleet`'s query says so."""
+    url = pg.create_database("handover")
+    weight = {f"b{i}": 60.0 for i in range(10)}
+    plan = Plan(weight, dict.fromkeys(weight, 1.0), 3.0)  # lease 3 s: interval 2 s + 1 s grace
+    seconds = dict.fromkeys(weight, 3.0)
+    a, b = Store(url, "a"), Store(url, "b")
+    try:
+        assert {x.holder for x in a.claim_leases(seconds, plan).values()} == {a.lease_holder}
+        first = b.claim_leases(seconds, plan)
+        assert {x.holder for x in first.values()} == {a.lease_holder}  # a's next pass is not due yet
+        assert set(b.fleet_view()) == {a.lease_holder, b.lease_holder}
+        time.sleep(3.0 - 1.0 - EARLY_S + 0.1)  # within EARLY_S of a's next pass
+        got = {k for k, x in b.claim_leases(seconds, plan).items() if x.holder == b.lease_holder}
+        assert len(got) == 5, got  # b's even half, and only that
+        kept = {k for k, x in a.claim_leases(seconds, plan).items() if x.holder == a.lease_holder}
+        assert kept == set(weight) - got  # a's pass renews its own half and skips b's
+        members, leased = members_of(a)
+        assert leased == 10
+        assert {(m.instance, m.live, m.backends, round(m.share, 2)) for m in members} == {
+            ("a", True, 5, 0.5),
+            ("b", True, 5, 0.5),
+        }
+    finally:
+        a.close()
+        b.close()
