@@ -5,6 +5,7 @@ backends of mixed weight."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -87,3 +88,20 @@ def test_a_join_moves_about_its_share_and_a_leave_only_moves_the_leavers_and_a_f
     assert len(moved) <= 0.35 * len(w)  # an even share is 25 %
     back = assign(w, ["a#1", "b#2", "c#3"])
     assert back == three  # the leave restores the assignment before the join
+
+
+def test_the_fleet_command_on_sqlite_says_one_daemon_probes_everything(tmp_path):
+    from tests.harness.scripted_lab import PLAIN, scripted
+    from tests.unit.test_cli import canaryd
+
+    (tmp_path / "plain.toml").write_text(PLAIN)
+    cfg = tmp_path / "canaryd.toml"
+    cfg.write_text(f'state_dir = "{tmp_path}/state"\nsuites = ["plain.toml"]\n' + scripted("a"))
+    assert canaryd("-c", str(cfg), "validate").returncode == 0
+    missing = canaryd("-c", str(cfg), "fleet")
+    assert missing.returncode == 2 and "no history database" in missing.stderr  # reads, never creates
+    assert canaryd("-c", str(cfg), "db", "upgrade").returncode == 0
+    text = canaryd("-c", str(cfg), "fleet")
+    assert text.returncode == 0 and "a single daemon probes every backend" in text.stdout
+    doc = json.loads(canaryd("-c", str(cfg), "fleet", "--json").stdout)
+    assert doc["exit_code"] == 0 and doc["single_daemon"] is True and doc["daemons"] == []
