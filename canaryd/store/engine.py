@@ -331,7 +331,10 @@ def _new_sqlite_file(engine: Engine) -> Path | None:
 
 
 def _migrate(engine: Engine) -> tuple[str | None, str]:
-    before = current_revision(engine)
+    try:
+        before = current_revision(engine)
+    except SchemaMismatch:  # read outside the lock: a migration may have committed between its queries
+        before = None  # (tables listed before, views after); decided again under the lock
     if before == SCHEMA_REVISION:
         return before, before
     from alembic import command
