@@ -56,8 +56,8 @@ log = structlog.get_logger("canaryd.daemon")
 STOP_GRACE_S = 3.0
 # A step back of the wall clock larger than this reschedules every job (see `Daemon._follow_clock`).
 CLOCK_STEP_S = 1.0
-# A standby asks for a backend this long after its lease was due to end (`Daemon._claim`): the end as the
-# database counted it, measured here from the claim's answer.
+# A standby asks for a backend this long after its lease was due to end, or after its holder's next pass
+# when refused just before it (`Daemon._claim`): as the database counted them, measured from the answer.
 TAKEOVER_DELAY_S = 0.1
 # ... and this long before the holder's next pass is due: a killed holder's lease ends with its presence
 # (`canaryd.store.leases`), so its pass is taken on time; a live holder's claim is refused, harmlessly.
@@ -161,17 +161,18 @@ class Daemon:
     def _choose(self, gen: Generation, schedule: str, held: set[str], takeover: str | None) -> set[str]:
         """Of the backends held, those this pass probes, decided under one lock: never one another pass
         of this daemon is probing (a takeover pass and a regular one can start together), and not the
-        lead schedule's regular pass of a backend a takeover probed less than half an interval ago (two
-        probes in a row say nothing more; the next regular pass probes it)."""
+        lead schedule's regular pass, nor another takeover pass, of a backend a takeover probed less than
+        half an interval ago (two probes in a row say nothing more; the next regular pass probes it)."""
         now = time.monotonic()
+        recent = now - gen.interval_s.get(schedule, 0.0) / 2
         with self._choosing:
             chosen = held - self._busy
             if takeover is None:
-                recent = now - gen.interval_s.get(schedule, 0.0) / 2
                 chosen = {
                     b for b in chosen if gen.lead.get(b) != schedule or self._taken.get(b, -math.inf) < recent
                 }
             else:
+                chosen = {b for b in chosen if self._taken.get(b, -math.inf) < recent}
                 self._taken.update(dict.fromkeys(chosen, now))
             self._busy |= chosen
         return chosen
@@ -221,7 +222,12 @@ class Daemon:
         if not self.stop_event.is_set():
             for b, seconds in ends_in.items():
                 due = seconds - (gen.lease_s[b] - gen.gap_s[b])  # the holder's next pass, without jitter
-                wait = due - TAKEOVER_EARLY_S if due > TAKEOVER_EARLY_S else seconds + TAKEOVER_DELAY_S
+                if due > TAKEOVER_EARLY_S:
+                    wait = due - TAKEOVER_EARLY_S
+                elif due > 0:  # refused just before the holder's pass: ask again right after it (if it died)
+                    wait = due + TAKEOVER_DELAY_S
+                else:
+                    wait = seconds + TAKEOVER_DELAY_S
                 self.scheduler.add_job(
                     self._job,
                     DateTrigger(datetime.now(UTC) + timedelta(seconds=wait)),
@@ -229,6 +235,7 @@ class Daemon:
                     id=TAKEOVER + b,
                     name=TAKEOVER + b,
                     misfire_grace_time=None,
+                    max_instances=2,  # the pass that set it may still be running when it is due
                     replace_existing=True,
                 )
         return held

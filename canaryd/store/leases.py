@@ -8,7 +8,7 @@ of a pass before probing them, in one statement per pass::
 so a backend goes to whoever asks first once its lease has run out, and its holder renews it on every
 pass; the statement is atomic (a concurrent claim of the same row waits for the first, then sees its
 result), and the expiry is on the database's clock (``now()``), so daemons whose clocks disagree still
-agree on who holds what. A clean stop deletes the daemon's rows: the others take over at their next pass.
+agree on who holds what. A clean stop ends the daemon's leases: the others take over at its next pass.
 
 Why leases rather than session advisory locks (``pg_try_advisory_lock``): a lock lives as long as its
 connection. A SIGKILLed daemon's connection dies and its locks free, but a hung daemon (SIGSTOP, a frozen
@@ -22,7 +22,9 @@ next pass renews it in time. A lease also ends early when its holder's **presenc
 keeps one idle connection whose ``application_name`` is ``canaryd <token>`` (`presence_name`), recorded in
 its lease rows, and a claim takes a lease whose presence no longer shows in ``pg_stat_activity``. A daemon
 killed with SIGKILL loses that connection at once (the kernel closes its socket), so a standby that asks
-at the dead holder's next due time (`Daemon._claim`) probes the backend on time: no pass is missed. A hung
+at the dead holder's next due time (`Daemon._claim`) probes the backend on time: no pass is missed. With a
+`Plan` (a daemon's claims) such a lease is taken only from `EARLY_S` before that next pass, never sooner:
+the holder may have renewed it and probed the backend just before it died. A hung
 holder keeps its connection, hence its presence: its backends go when its leases end, as before. A
 presence is recorded only while it is visible through the database's own connections (a pooler that
 hides it leaves the column NULL, and that holder's leases simply expire). SQLite keeps the single-daemon
@@ -36,8 +38,9 @@ this daemon but is held by another live one is taken from it at its holder's nex
 before it is due: the holder probed it an interval ago, and does not probe it again, since its own claim
 then finds it taken): the handover needs no release, so it only happens once the new owner is live and
 asking, and no pass is missed or doubled. Any other backend is claimed as before (free, expired, or its
-holder's presence gone), so nothing waits for its owner to come. A daemon that stops deletes its row with
-its leases; a killed one's row stays (not live) until pruned.
+holder's presence gone, at its next pass), so nothing waits for its owner to come. A daemon that stops
+deletes its row and marks its leases with its presence, which its store then closes: they are taken at its
+next passes, as a killed one's are; a killed one's row stays (not live) until pruned.
 """
 
 from __future__ import annotations
@@ -84,32 +87,44 @@ _PRUNE = text(
     f"AND NOT ({_LIVE_WHERE}) AND d.seen + make_interval(secs => d.lease_s * {PRUNE_LEASES}) < now() "
     "FOR UPDATE SKIP LOCKED)"
 )
-# Backends that hash here, held by another daemon whose next pass is due within EARLY_S (its lease's end
-# less the grace the lease adds to its interval). `_LOCK` first locks them in the one order of every
-# claimer (the claim's upsert, a statement of its own, takes its rows in that order too): no deadlock.
-_LOCK = text(
-    "SELECT backend FROM lease WHERE backend = ANY(CAST(:backends AS text[])) ORDER BY backend FOR UPDATE"
+# A lease whose holder's presence no longer shows: the holder was killed, lost its connection or stopped.
+_GONE = (
+    "(lease.presence IS NOT NULL "
+    "AND NOT EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.application_name = lease.presence))"
 )
+# Backends held by another daemon whose next pass is due within EARLY_S (its lease's end less the grace the
+# lease adds to its interval), and that hash here or whose holder is gone: the holder probed them in its
+# last pass, so they are taken when it would have probed them next, never sooner. `_LOCK` first locks them
+# in the one order of every claimer (the claim's upsert, a statement of its own, takes its rows in that
+# order too): no deadlock; `_TAKE` checks the same again on the locked rows.
+_DUE = f"""lease.holder <> :holder AND lease.expires - make_interval(secs => t.g + {EARLY_S}) <= now()
+  AND (lease.backend = ANY(CAST(:ours AS text[])) OR {_GONE})"""
+_LOCK = text(f"""
+SELECT lease.backend FROM lease JOIN unnest(CAST(:backends AS text[]), CAST(:graces AS float8[])) AS t(b, g)
+  ON lease.backend = t.b
+WHERE {_DUE}
+ORDER BY lease.backend FOR UPDATE OF lease
+""")
 _TAKE = text(f"""
 UPDATE lease SET holder = :holder, expires = now() + make_interval(secs => t.s), presence = {_VISIBLE},
        weight = t.w
 FROM unnest(CAST(:backends AS text[]), CAST(:seconds AS float8[]), CAST(:graces AS float8[]),
             CAST(:weights AS float8[])) AS t(b, s, g, w)
-WHERE lease.backend = t.b AND lease.holder <> :holder
-  AND lease.expires - make_interval(secs => t.g + {EARLY_S}) <= now()
+WHERE lease.backend = t.b AND {_DUE}
 """)
-_CLAIM = text(f"""
+_CLAIM_SQL = f"""
 INSERT INTO lease (backend, holder, expires, presence, weight)
 SELECT b, :holder, now() + make_interval(secs => s), {_VISIBLE}, w
 FROM unnest(CAST(:backends AS text[]), CAST(:seconds AS float8[]), CAST(:weights AS float8[])) AS t(b, s, w)
 ON CONFLICT (backend) DO UPDATE
 SET holder = excluded.holder, expires = excluded.expires, presence = excluded.presence,
     weight = excluded.weight
-WHERE lease.expires < now() OR lease.holder = excluded.holder
-   OR (lease.presence IS NOT NULL
-       AND NOT EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.application_name = lease.presence))
+WHERE lease.expires < now() OR lease.holder = excluded.holder{{gone}}
 RETURNING backend
-""")
+"""
+# With a `Plan`, a gone holder's leases are `_TAKE`n at its next pass; without one (no grace known), at once.
+_CLAIM = text(_CLAIM_SQL.format(gone=""))
+_CLAIM_GONE = text(_CLAIM_SQL.format(gone=f" OR {_GONE}"))
 _HOLDERS = text(
     "SELECT backend, holder, extract(epoch FROM expires - now()) FROM lease "
     "WHERE backend = ANY(CAST(:backends AS text[]))"
@@ -186,16 +201,19 @@ class Leases(Connected):
             "weights": [plan.weight.get(b) if plan else None for b in names],
         }
         if plan is not None:  # its own transaction: the claim below locks the rows in one statement
+            self._heartbeat(plan, presence)
             with self.engine.begin() as conn:
-                ours = [b for b in self._ours(conn, plan, presence) if b in seconds]
-                if ours:
-                    conn.execute(_LOCK, {"backends": ours})
-                    take = dict(params, backends=ours, seconds=[float(seconds[b]) for b in ours])
-                    take["graces"] = [float(plan.grace[b]) for b in ours]
-                    take["weights"] = [plan.weight[b] for b in ours]
+                ours = self._ours(conn, plan)
+                graces = [float(plan.grace[b]) for b in names]
+                lock = {"holder": self.lease_holder, "backends": names, "graces": graces, "ours": ours}
+                due = conn.execute(_LOCK, lock).scalars().all()
+                if due:
+                    take = dict(params, backends=due, seconds=[float(seconds[b]) for b in due], ours=ours)
+                    take["graces"] = [float(plan.grace[b]) for b in due]
+                    take["weights"] = [plan.weight[b] for b in due]
                     conn.execute(_TAKE, take)
         with self.engine.begin() as conn:
-            mine = conn.execute(_CLAIM, params).scalars()
+            mine = conn.execute(_CLAIM if plan is not None else _CLAIM_GONE, params).scalars()
             leases = {b: Lease(self.lease_holder, seconds[b]) for b in mine}
             rest = [b for b in names if b not in leases]
             if rest:
@@ -203,19 +221,17 @@ class Leases(Connected):
                     leases[b] = Lease(holder, max(0.0, float(ends_in)))
         return {b: leases.get(b, Lease(None, 0.0)) for b in names}
 
-    def _ours(self, conn: Connection, plan: Plan, presence: str | None) -> list[str]:
-        """Record this daemon as live, read the live set: the backends of the plan that hash here, sorted
-        (the live set and its assignment are kept while the live set stays the same)."""
-        conn.execute(
-            _HEARTBEAT,
-            {
-                "holder": self.lease_holder,
-                "instance": self.instance,
-                "presence": presence,
-                "lease_s": plan.live_s,
-            },
-        )
-        conn.execute(_PRUNE, {"holder": self.lease_holder})
+    def _heartbeat(self, plan: Plan, presence: str | None) -> None:
+        """Record this daemon as live (and prune the dead), in a transaction of its own: the claims of this
+        daemon's passes hold its row's lock only for that, never while their own locks wait."""
+        row = {"holder": self.lease_holder, "instance": self.instance, "presence": presence}
+        with self.engine.begin() as conn:
+            conn.execute(_HEARTBEAT, dict(row, lease_s=plan.live_s))
+            conn.execute(_PRUNE, {"holder": self.lease_holder})
+
+    def _ours(self, conn: Connection, plan: Plan) -> list[str]:
+        """The live set read, the backends of the plan that hash here, sorted (the live set and its
+        assignment are kept while the live set stays the same)."""
         live = tuple(sorted(conn.execute(_LIVE).scalars()))
         key = (live, id(plan.weight))
         if self._assigned is None or self._assigned[0] != key:
@@ -256,16 +272,20 @@ class Leases(Connected):
                 self._presence = None
 
     def release_leases(self, backends: Iterable[str] | None = None) -> int:
-        """End this process's leases (default: all of them) so another daemon takes the backends over at
-        its next pass rather than at the leases' expiry; how many ended."""
+        """End this process's leases (default: all of them, as it stops) so another daemon takes the
+        backends over at their next pass rather than at the leases' expiry; how many ended.
+
+        A stop leaves the fleet's live set, and marks its leases with its presence, which ends as the store
+        closes: the others take them at this daemon's next pass, as from a killed one (deleted, they would
+        be taken at once, and a backend this daemon has just probed would be probed again). A reload that
+        removes backends deletes their leases: this daemon no longer probes them."""
         if not self.leased:
             return 0
-        sql = "DELETE FROM lease WHERE holder = :holder"
         params: dict[str, object] = {"holder": self.lease_holder}
-        if backends is not None:
-            sql += " AND backend = ANY(CAST(:backends AS text[]))"
-            params["backends"] = list(backends)
         with self.engine.begin() as conn:
-            if backends is None:  # a stop: this daemon leaves the fleet's live set with its leases
-                conn.execute(text("DELETE FROM daemon WHERE holder = :holder"), params)
-            return conn.execute(text(sql), params).rowcount
+            if backends is not None:
+                sql = "DELETE FROM lease WHERE holder = :holder AND backend = ANY(CAST(:backends AS text[]))"
+                return conn.execute(text(sql), dict(params, backends=list(backends))).rowcount
+            conn.execute(text("DELETE FROM daemon WHERE holder = :holder"), params)
+            sql = "UPDATE lease SET presence = :presence WHERE holder = :holder"
+            return conn.execute(text(sql), dict(params, presence=presence_name(self.lease_holder))).rowcount
