@@ -101,7 +101,7 @@ class Daemon:
         self.store = open_store(config)
         self.gen = Generation.build(config, self.stop_event)
         self.tenure = Tenure(self.store, self.metrics)
-        self._taken: dict[str, float] = {}  # backend -> when (monotonic) a takeover pass probed it
+        self._taken: dict[str, float] = {}  # backend -> when (monotonic) a takeover or lead pass probed it
         self._busy: set[str] = set()  # backends a pass of this daemon is probing now
         self._choosing = threading.Lock()
         self._in_flight = 0  # passes running, of any generation (what a stop waits for)
@@ -130,6 +130,7 @@ class Daemon:
             held = self._claim(gen, list(work)) if work else set()
             mine = self._choose(gen, schedule, held, takeover)
             work = self._affordable(gen, schedule, {b: cs for b, cs in work.items() if b in mine})
+            work = self._still_held(work)
             with ThreadPoolExecutor(max_workers=max(1, len(work)), thread_name_prefix="backend") as ex:
                 futures = {
                     b: ex.submit(self._probe, gen, schedule, b, canaries) for b, canaries in work.items()
@@ -160,22 +161,32 @@ class Daemon:
 
     def _choose(self, gen: Generation, schedule: str, held: set[str], takeover: str | None) -> set[str]:
         """Of the backends held, those this pass probes, decided under one lock: never one another pass
-        of this daemon is probing (a takeover pass and a regular one can start together), and not the
-        lead schedule's regular pass, nor another takeover pass, of a backend a takeover probed less than
-        half an interval ago (two probes in a row say nothing more; the next regular pass probes it)."""
+        of this daemon is probing (a takeover pass and a regular one can start together), and no backend
+        that a takeover pass or its lead schedule's regular pass probed less than half an interval ago, in
+        either of those (two probes in a row say nothing more; the next regular pass probes it)."""
         now = time.monotonic()
         recent = now - gen.interval_s.get(schedule, 0.0) / 2
         with self._choosing:
             chosen = held - self._busy
-            if takeover is None:
-                chosen = {
-                    b for b in chosen if gen.lead.get(b) != schedule or self._taken.get(b, -math.inf) < recent
-                }
-            else:
-                chosen = {b for b in chosen if self._taken.get(b, -math.inf) < recent}
-                self._taken.update(dict.fromkeys(chosen, now))
+            lead = chosen if takeover is not None else {b for b in chosen if gen.lead.get(b) == schedule}
+            chosen -= {b for b in lead if self._taken.get(b, -math.inf) >= recent}
+            self._taken.update(dict.fromkeys(lead & chosen, now))
             self._busy |= chosen
         return chosen
+
+    def _still_held(self, work: dict[str, list[Canary]]) -> dict[str, list[Canary]]:
+        """The backends still held as the pass sets out to probe them, marked so (`Store.start_probes`);
+        one taken meanwhile is skipped, and none if the database does not answer (as a failed claim)."""
+        if not work:
+            return work
+        try:
+            kept = self.store.start_probes(work)
+        except Exception:
+            log.exception("lease.claim_failed", backends=sorted(work))
+            return {}
+        for b in sorted(set(work) - kept):
+            log.warning("lease.lost", backend=b, reason="taken before its probe")
+        return {b: cs for b, cs in work.items() if b in kept}
 
     def _affordable(
         self, gen: Generation, schedule: str, work: dict[str, list[Canary]]

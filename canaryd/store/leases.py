@@ -24,7 +24,8 @@ its lease rows, and a claim takes a lease whose presence no longer shows in ``pg
 killed with SIGKILL loses that connection at once (the kernel closes its socket), so a standby that asks
 at the dead holder's next due time (`Daemon._claim`) probes the backend on time: no pass is missed. With a
 `Plan` (a daemon's claims) such a lease is taken only from `EARLY_S` before that next pass, never sooner:
-the holder may have renewed it and probed the backend just before it died. A hung
+the holder may have renewed it and probed the backend just before it died; unless it died between its
+claim and its probe (its pass marks ``lease.probed`` as it sets out, `start_probes`): then at once. A hung
 holder keeps its connection, hence its presence: its backends go when its leases end, as before. A
 presence is recorded only while it is visible through the database's own connections (a pooler that
 hides it leaves the column NULL, and that holder's leases simply expire). SQLite keeps the single-daemon
@@ -94,13 +95,17 @@ _GONE = (
 )
 # Backends held by another daemon whose next pass is due within EARLY_S (its lease's end less the grace the
 # lease adds to its interval), and that hash here or whose holder is gone: the holder probed them in its
-# last pass, so they are taken when it would have probed them next, never sooner. `_LOCK` first locks them
-# in the one order of every claimer (the claim's upsert, a statement of its own, takes its rows in that
-# order too): no deadlock; `_TAKE` checks the same again on the locked rows.
-_DUE = f"""lease.holder <> :holder AND lease.expires - make_interval(secs => t.g + {EARLY_S}) <= now()
-  AND (lease.backend = ANY(CAST(:ours AS text[])) OR {_GONE})"""
+# last pass, so they are taken when it would have probed them next, never sooner (a gone holder's backend
+# that it claimed last but did not set out to probe, `lease.probed` older than that claim, at once).
+# `_LOCK` first locks them in the one order of every claimer (the claim's upsert, a statement of its own,
+# takes its rows in that order too): no deadlock; `_TAKE` checks the same again on the locked rows.
+_DUE = f"""lease.holder <> :holder AND (lease.backend = ANY(CAST(:ours AS text[])) OR {_GONE})
+  AND (lease.expires - make_interval(secs => t.g + {EARLY_S}) <= now()
+       OR ({_GONE} AND (lease.probed IS NULL
+                        OR lease.probed < lease.expires - make_interval(secs => t.s))))"""
 _LOCK = text(f"""
-SELECT lease.backend FROM lease JOIN unnest(CAST(:backends AS text[]), CAST(:graces AS float8[])) AS t(b, g)
+SELECT lease.backend FROM lease
+JOIN unnest(CAST(:backends AS text[]), CAST(:seconds AS float8[]), CAST(:graces AS float8[])) AS t(b, s, g)
   ON lease.backend = t.b
 WHERE {_DUE}
 ORDER BY lease.backend FOR UPDATE OF lease
@@ -125,6 +130,10 @@ RETURNING backend
 # With a `Plan`, a gone holder's leases are `_TAKE`n at its next pass; without one (no grace known), at once.
 _CLAIM = text(_CLAIM_SQL.format(gone=""))
 _CLAIM_GONE = text(_CLAIM_SQL.format(gone=f" OR {_GONE}"))
+_PROBED = text(
+    "UPDATE lease SET probed = now() WHERE holder = :holder AND backend = ANY(CAST(:backends AS text[])) "
+    "RETURNING backend"
+)
 _HOLDERS = text(
     "SELECT backend, holder, extract(epoch FROM expires - now()) FROM lease "
     "WHERE backend = ANY(CAST(:backends AS text[]))"
@@ -205,7 +214,8 @@ class Leases(Connected):
             with self.engine.begin() as conn:
                 ours = self._ours(conn, plan)
                 graces = [float(plan.grace[b]) for b in names]
-                lock = {"holder": self.lease_holder, "backends": names, "graces": graces, "ours": ours}
+                lock = {k: params[k] for k in ("holder", "backends", "seconds")}
+                lock.update(graces=graces, ours=ours)
                 due = conn.execute(_LOCK, lock).scalars().all()
                 if due:
                     take = dict(params, backends=due, seconds=[float(seconds[b]) for b in due], ours=ours)
@@ -220,6 +230,16 @@ class Leases(Connected):
                 for b, holder, ends_in in conn.execute(_HOLDERS, {"backends": rest}):
                     leases[b] = Lease(holder, max(0.0, float(ends_in)))
         return {b: leases.get(b, Lease(None, 0.0)) for b in names}
+
+    def start_probes(self, backends: Iterable[str]) -> set[str]:
+        """Of the backends a pass claimed, those still this daemon's as it sets out to probe them, marked
+        probed (``lease.probed``, on the database's clock): a standby then knows that a holder which died
+        after its claim had probed them (they are taken at its next pass), or not (taken at once)."""
+        if not self.leased:
+            return set(backends)
+        with self.engine.begin() as conn:
+            rows = conn.execute(_PROBED, {"holder": self.lease_holder, "backends": list(backends)})
+            return set(rows.scalars())
 
     def _heartbeat(self, plan: Plan, presence: str | None) -> None:
         """Record this daemon as live (and prune the dead), in a transaction of its own: the claims of this

@@ -209,6 +209,7 @@ class LeaseRow(SQLModel, table=True):
     expires: datetime
     presence: str | None = None  # the holder's presence connection (`leases.presence_name`), when visible
     weight: float | None = None  # the backend's canaries × passes per hour (`canaryd.shares.weights`)
+    probed: datetime | None = None  # when the holder last set out to probe it (`leases.start_probes`)
 
 
 class DaemonRow(SQLModel, table=True):

@@ -20,10 +20,11 @@ import urllib.request
 from collections import Counter
 
 import pytest
+from sqlalchemy import text
 
 from canaryd.store import Store, lease_seconds
 from canaryd.store.fleet import fleet as members_of
-from canaryd.store.leases import EARLY_S, Plan
+from canaryd.store.leases import EARLY_S, Plan, presence_name
 from tests.harness.fleet import Fleet, doubles, gaps_after
 from tests.harness.postgres import PostgresServer
 from tests.harness.suites import ADD, suite
@@ -213,6 +214,44 @@ def test_a_backend_moves_to_the_daemon_it_hashes_to_only_when_its_holders_next_p
             ("a", True, 5, 0.5),
             ("b", True, 5, 0.5),
         }
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_gone_holders_backends_are_taken_at_its_next_pass_never_sooner(pg):
+    """A holder that renewed its leases and set out to probe the backends, then died or stopped, is not
+    followed by a second probe in that interval: though its presence is gone at once (killed: the server
+    ends the session; stopped: it marks its leases and closes its store), another daemon's claim takes its
+    backends only from `EARLY_S` before its next pass was due; one it claimed but never probed, at once."""
+    url = pg.create_database("gone")
+    weight = {f"b{i}": 60.0 for i in range(4)}
+    plan = Plan(weight, dict.fromkeys(weight, 1.0), 3.0)  # lease 3 s: interval 2 s + 1 s grace
+    seconds = dict.fromkeys(weight, 3.0)
+    a, b, c = Store(url, "a"), Store(url, "b"), Store(url, "c")
+    try:
+        assert {x.holder for x in a.claim_leases({"b0": 3.0, "b1": 3.0}, plan).values()} == {a.lease_holder}
+        assert {x.holder for x in c.claim_leases({"b2": 3.0, "b3": 3.0}, plan).values()} == {c.lease_holder}
+        assert a.start_probes(["b1"]) == {"b1"} and c.start_probes(["b2", "b3"]) == {"b2", "b3"}
+        with a.engine.begin() as conn:  # a: killed
+            conn.execute(
+                text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = :n"),
+                {"n": presence_name(a.lease_holder)},
+            )
+        assert c.release_leases() == 2  # c: stopped
+        c.close()
+        time.sleep(0.3)  # the server has ended both sessions
+        first = b.claim_leases(seconds, plan)  # b0: claimed, never set out to probe: taken at once
+        assert {k: x.holder for k, x in first.items()} == {
+            "b0": b.lease_holder,
+            "b1": a.lease_holder,
+            "b2": c.lease_holder,
+            "b3": c.lease_holder,
+        }
+        assert all(first[k].ends_in > 1.0 + EARLY_S for k in ("b1", "b2", "b3")), first
+        time.sleep(3.0 - 1.0 - EARLY_S - 0.3 + 0.1)  # within EARLY_S of their next pass
+        assert {x.holder for x in b.claim_leases(seconds, plan).values()} == {b.lease_holder}
+        assert {x.holder for x in a.claim_leases({"b0": 3.0}, plan).values()} == {b.lease_holder}
     finally:
         a.close()
         b.close()

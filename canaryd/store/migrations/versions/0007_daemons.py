@@ -1,9 +1,11 @@
-"""daemon: the live daemons of a fleet; lease.weight: what each held backend weighs (PostgreSQL fleets)
+"""daemon: the live daemons of a fleet; lease.weight, lease.probed: what each held backend weighs, when its
+holder last set out to probe it (PostgreSQL fleets)
 
 A fleet shares its backends by rendezvous hashing over the live daemons (``canaryd/shares.py``): each
 daemon keeps a row (its presence connection, when it started, its last claim and its lease length), so
 every daemon reads the same live set from the database. ``lease.weight`` is the backend's canaries ×
-passes per hour, so that `canaryd fleet` shows each daemon's weighted share. See
+passes per hour, so that `canaryd fleet` shows each daemon's weighted share; ``lease.probed`` tells a
+standby whether a holder that died after renewing a lease probed the backend before it died. See
 ``canaryd/store/leases.py``; a SQLite database gets the table too (one schema), but no daemon writes it.
 
 Revision ID: 0007
@@ -36,9 +38,11 @@ def upgrade() -> None:
     )
     with op.batch_alter_table("lease") as batch_op:
         batch_op.add_column(sa.Column("weight", sa.Float(), nullable=True))
+        batch_op.add_column(sa.Column("probed", sa.DateTime(timezone=True), nullable=True))
 
 
 def downgrade() -> None:
     with op.batch_alter_table("lease") as batch_op:
+        batch_op.drop_column("probed")
         batch_op.drop_column("weight")
     op.drop_table("daemon")
