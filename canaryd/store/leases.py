@@ -130,10 +130,14 @@ RETURNING backend
 # With a `Plan`, a gone holder's leases are `_TAKE`n at its next pass; without one (no grace known), at once.
 _CLAIM = text(_CLAIM_SQL.format(gone=""))
 _CLAIM_GONE = text(_CLAIM_SQL.format(gone=f" OR {_GONE}"))
-_PROBED = text(
-    "UPDATE lease SET probed = now() WHERE holder = :holder AND backend = ANY(CAST(:backends AS text[])) "
-    "RETURNING backend"
-)
+# Marks the rows locked first in the claimers' one order (no deadlock with a claim or a take).
+_PROBED = text("""
+UPDATE lease SET probed = now()
+FROM (SELECT backend FROM lease WHERE holder = :holder AND backend = ANY(CAST(:backends AS text[]))
+      ORDER BY backend FOR UPDATE) AS mine
+WHERE lease.backend = mine.backend
+RETURNING lease.backend
+""")
 _HOLDERS = text(
     "SELECT backend, holder, extract(epoch FROM expires - now()) FROM lease "
     "WHERE backend = ANY(CAST(:backends AS text[]))"
