@@ -101,7 +101,8 @@ class Daemon:
         self.store = open_store(config)
         self.gen = Generation.build(config, self.stop_event)
         self.tenure = Tenure(self.store, self.metrics)
-        self._taken: dict[str, float] = {}  # backend -> when (monotonic) a takeover or lead pass probed it
+        self._taken: dict[str, float] = {}  # backend -> when (monotonic) a takeover pass probed it
+        self._led: dict[str, float] = {}  # ... and a regular pass of its lead schedule
         self._busy: set[str] = set()  # backends a pass of this daemon is probing now
         self._choosing = threading.Lock()
         self._in_flight = 0  # passes running, of any generation (what a stop waits for)
@@ -113,8 +114,8 @@ class Daemon:
         self.httpd = None
 
     # -- probing ------------------------------------------------------------------------------------
-    def _pass(self, schedule: str, takeover: str | None = None) -> None:
-        """A pass of the schedule: of the backends this daemon holds, or of one backend it takes over."""
+    def _pass(self, schedule: str, takeover: tuple[str, ...] | None = None) -> None:
+        """A pass of the schedule: of the backends this daemon holds, or of those it takes over."""
         gen = self.gen
         gen.acquire()
         structlog.contextvars.bind_contextvars(schedule=schedule)  # job threads don't inherit context
@@ -123,10 +124,9 @@ class Daemon:
             work = gen.work.get(schedule, {})
             if takeover is None:
                 self.metrics.schedule_runs.labels(schedule).inc()
-            elif self.tenure.holders.get(takeover) == self.store.lease_holder:
-                work = {}  # a pass of this daemon took it meanwhile: that pass's phase it is
-            else:
-                work = {b: cs for b, cs in work.items() if b == takeover}
+            else:  # not one a pass of this daemon took meanwhile: that pass's phase it is
+                me = self.store.lease_holder
+                work = {b: cs for b, cs in work.items() if b in takeover and self.tenure.holders.get(b) != me}
             held = self._claim(gen, list(work)) if work else set()
             mine = self._choose(gen, schedule, held, takeover)
             work = self._affordable(gen, schedule, {b: cs for b, cs in work.items() if b in mine})
@@ -159,18 +159,26 @@ class Daemon:
             structlog.contextvars.unbind_contextvars("schedule")
             gen.release()
 
-    def _choose(self, gen: Generation, schedule: str, held: set[str], takeover: str | None) -> set[str]:
+    def _choose(
+        self, gen: Generation, schedule: str, held: set[str], takeover: tuple[str, ...] | None
+    ) -> set[str]:
         """Of the backends held, those this pass probes, decided under one lock: never one another pass
-        of this daemon is probing (a takeover pass and a regular one can start together), and no backend
-        that a takeover pass or its lead schedule's regular pass probed less than half an interval ago, in
-        either of those (two probes in a row say nothing more; the next regular pass probes it)."""
+        of this daemon is probing (a takeover pass and a regular one can start together), not the lead
+        schedule's regular pass of a backend a takeover probed less than half an interval ago, and not a
+        takeover of one that either probed that recently (two probes in a row say nothing more; the next
+        regular pass probes it)."""
         now = time.monotonic()
         recent = now - gen.interval_s.get(schedule, 0.0) / 2
         with self._choosing:
             chosen = held - self._busy
-            lead = chosen if takeover is not None else {b for b in chosen if gen.lead.get(b) == schedule}
-            chosen -= {b for b in lead if self._taken.get(b, -math.inf) >= recent}
-            self._taken.update(dict.fromkeys(lead & chosen, now))
+            if takeover is None:
+                lead = {b for b in chosen if gen.lead.get(b) == schedule}
+                chosen -= {b for b in lead if self._taken.get(b, -math.inf) >= recent}
+                self._led.update(dict.fromkeys(lead & chosen, now))
+            else:
+                last = {b: max(self._taken.get(b, -math.inf), self._led.get(b, -math.inf)) for b in chosen}
+                chosen = {b for b in chosen if last[b] < recent}
+                self._taken.update(dict.fromkeys(chosen, now))
             self._busy |= chosen
         return chosen
 
@@ -228,30 +236,37 @@ class Daemon:
         """Claim the backends' leases; those this daemon holds. For each held elsewhere, a takeover pass
         is due just before the holder's next pass: if the holder was killed (its presence gone), this
         daemon probes the backend then, on the holder's schedule; if it is alive, that pass only claims,
-        and asks again when the lease ends (a hung holder's backends are taken over then)."""
+        and asks again when the lease ends (a hung holder's backends are taken over then). Backends due
+        at once (one holder's, of one schedule) share a takeover pass: one claim, as their holder's pass."""
         held, ends_in = self.tenure.claim(gen.lease_s, backends, gen.plan)
-        if not self.stop_event.is_set():
-            for b, seconds in ends_in.items():
-                due = seconds - (gen.lease_s[b] - gen.gap_s[b])  # the holder's next pass, without jitter
-                if due > TAKEOVER_EARLY_S:
-                    wait = due - TAKEOVER_EARLY_S
-                elif due > 0:  # refused just before the holder's pass: ask again right after it (if it died)
-                    wait = due + TAKEOVER_DELAY_S
-                else:
-                    wait = seconds + TAKEOVER_DELAY_S
-                self.scheduler.add_job(
-                    self._job,
-                    DateTrigger(datetime.now(UTC) + timedelta(seconds=wait)),
-                    args=[gen.lead[b], b],
-                    id=TAKEOVER + b,
-                    name=TAKEOVER + b,
-                    misfire_grace_time=None,
-                    max_instances=2,  # the pass that set it may still be running when it is due
-                    replace_existing=True,
-                )
+        if self.stop_event.is_set():
+            return held
+        groups: dict[tuple[str, float], list[str]] = {}
+        for b, seconds in ends_in.items():
+            due = seconds - (gen.lease_s[b] - gen.gap_s[b])  # the holder's next pass, without jitter
+            if due > TAKEOVER_EARLY_S:
+                wait = due - TAKEOVER_EARLY_S
+            elif due > 0:  # refused just before the holder's pass: ask again right after it (if it died)
+                wait = due + TAKEOVER_DELAY_S
+            else:
+                wait = seconds + TAKEOVER_DELAY_S
+            groups.setdefault((gen.lead[b], math.floor(wait * 10) / 10), []).append(b)
+        now = datetime.now(UTC)
+        for (schedule, wait), group in groups.items():
+            job = TAKEOVER + schedule + ":" + ",".join(sorted(group))
+            self.scheduler.add_job(
+                self._job,
+                DateTrigger(now + timedelta(seconds=wait)),
+                args=[schedule, tuple(sorted(group))],
+                id=job,
+                name=job,
+                misfire_grace_time=None,
+                max_instances=2,  # the pass that set it may still be running when it is due
+                replace_existing=True,
+            )
         return held
 
-    def _job(self, schedule: str, takeover: str | None = None) -> None:
+    def _job(self, schedule: str, takeover: tuple[str, ...] | None = None) -> None:
         """A pass, counted so a stop knows what it waits for; none starts once stopping."""
         with self._idle:
             if self.stop_event.is_set():
