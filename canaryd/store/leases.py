@@ -25,7 +25,8 @@ killed with SIGKILL loses that connection at once (the kernel closes its socket)
 at the dead holder's next due time (`Daemon._claim`) probes the backend on time: no pass is missed. With a
 `Plan` (a daemon's claims) such a lease is taken only from `EARLY_S` before that next pass, never sooner:
 the holder may have renewed it and probed the backend just before it died; unless it died between its
-claim and its probe (its pass marks ``lease.probed`` as it sets out, `start_probes`): then at once. A hung
+claim and its probe (its pass marks ``lease.probed`` as it sets out, `start_probes`): then from an
+interval after its last probe, at once if it never probed. A hung
 holder keeps its connection, hence its presence: its backends go when its leases end, as before. A
 presence is recorded only while it is visible through the database's own connections (a pooler that
 hides it leaves the column NULL, and that holder's leases simply expire). SQLite keeps the single-daemon
@@ -95,14 +96,14 @@ _GONE = (
 )
 # Backends held by another daemon whose next pass is due within EARLY_S (its lease's end less the grace the
 # lease adds to its interval), and that hash here or whose holder is gone: the holder probed them in its
-# last pass, so they are taken when it would have probed them next, never sooner (a gone holder's backend
-# that it claimed last but did not set out to probe, `lease.probed` older than that claim, at once).
+# last pass, so they are taken when it would have probed them next, never sooner (a gone holder's, from
+# `EARLY_S` before an interval after it last set out to probe it, `lease.probed`: at once if it never did).
 # `_LOCK` first locks them in the one order of every claimer (the claim's upsert, a statement of its own,
 # takes its rows in that order too): no deadlock; `_TAKE` checks the same again on the locked rows.
 _DUE = f"""lease.holder <> :holder AND (lease.backend = ANY(CAST(:ours AS text[])) OR {_GONE})
   AND (lease.expires - make_interval(secs => t.g + {EARLY_S}) <= now()
-       OR ({_GONE} AND (lease.probed IS NULL
-                        OR lease.probed < lease.expires - make_interval(secs => t.s))))"""
+       OR ({_GONE}
+           AND COALESCE(lease.probed + make_interval(secs => t.s - t.g - {EARLY_S}), now()) <= now()))"""
 _LOCK = text(f"""
 SELECT lease.backend FROM lease
 JOIN unnest(CAST(:backends AS text[]), CAST(:seconds AS float8[]), CAST(:graces AS float8[])) AS t(b, s, g)
@@ -237,8 +238,8 @@ class Leases(Connected):
 
     def start_probes(self, backends: Iterable[str]) -> set[str]:
         """Of the backends a pass claimed, those still this daemon's as it sets out to probe them, marked
-        probed (``lease.probed``, on the database's clock): a standby then knows that a holder which died
-        after its claim had probed them (they are taken at its next pass), or not (taken at once)."""
+        probed (``lease.probed``, on the database's clock): a standby then takes a dead holder's backend
+        an interval after the holder last probed it, not sooner, and not later."""
         if not self.leased:
             return set(backends)
         with self.engine.begin() as conn:
