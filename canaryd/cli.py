@@ -32,6 +32,7 @@ from canaryd.commands import (
     db,
     doctor,
     emit,
+    fleet,
     history,
     ops,
     probe,
@@ -90,7 +91,7 @@ def _main(
 
 # Every command of a module, in the module's order; `canaryd --help` lists the commands in this order, and
 # the groups (`canaryd baseline ...`) after them.
-for module in (probe, record, service, history, setup, report, doctor, baseline, db, ops):
+for module in (probe, record, service, fleet, history, setup, report, doctor, baseline, db, ops):
     app.add_typer(module.app)
 
 

@@ -899,6 +899,44 @@ def canaryd_row(ids: Ids) -> list:
     ]
 
 
+def daemons_row(ids: Ids) -> list:
+    """A fleet's daemons on one PostgreSQL database: how the backends are shared (`canaryd fleet`)."""
+    return [
+        series_panel(
+            ids,
+            "Weighted share per daemon",
+            f"Each daemon's share of the fleet's work ({N.fleet_share}): the backends whose leases it "
+            "holds, each weighted by its canaries × passes per hour. Even shares are 1/N; a join or a "
+            "leave moves them within an interval. 100 % on SQLite (a single daemon).",
+            "percentunit",
+            12,
+            7,
+            [query("A", f"max by (instance) ({S.fleet_share})", "{{instance}}")],
+            stacked=True,
+        ),
+        series_panel(
+            ids,
+            "Backends held per daemon",
+            f"Backends whose probing lease each daemon holds ({N.fleet_backends}).",
+            "short",
+            8,
+            7,
+            [query("A", f"max by (instance) ({S.fleet_backends})", "{{instance}}")],
+        ),
+        stat_panel(
+            ids,
+            "Live daemons",
+            f"Live daemons of the fleet, as the daemons last counted them ({N.fleet_daemons}); fewer "
+            "than you run means one stopped, hung or lost its database connection.",
+            "short",
+            4,
+            7,
+            [query("A", f"max({S.fleet_daemons})", "live", instant=True)],
+            [(None, "blue")],
+        ),
+    ]
+
+
 # The rows top to bottom: (title, its panels). The widths of each visual line of a row add up to 24 (the
 # SDK lays them out left to right).
 ROWS = (
@@ -909,6 +947,7 @@ ROWS = (
     ("Probes", probes_row),
     ("Serving stack", stack_row),
     ("Cost and configuration", cost_row),
+    ("Daemons", daemons_row),
     ("canaryd", canaryd_row),
 )
 

@@ -18,7 +18,9 @@ from canaryd.daemon.capacity import Gate
 from canaryd.daemon.refused import Guarded
 from canaryd.errors import InputError
 from canaryd.probe.run import plan
+from canaryd.shares import weights
 from canaryd.store import lease_seconds
+from canaryd.store.leases import Plan
 
 
 @dataclass
@@ -32,6 +34,7 @@ class Generation:
     lead: dict[str, str]  # backend -> that schedule: the one a takeover pass runs
     gap_s: dict[str, float]  # backend -> the longest wait between two passes of that schedule
     interval_s: dict[str, float]  # schedule -> its interval
+    plan: Plan  # what the fleet's daemons share the backends by (`canaryd.shares`)
     active: int = 0
     retired: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -66,7 +69,9 @@ class Generation:
                     lease_s[b], lead[b], gap_s[b] = s, sched.name, sched.longest_gap_s
         # each backend holds back what it refused as configured until this generation is replaced (reload)
         backends = {b.name: Guarded(make_backend(b, stopping, gate)) for b in config.backends}
-        return cls(config, backends, work, lease_s, lead, gap_s, interval_s)
+        weight = weights({s: {b: len(cs) for b, cs in w.items()} for s, w in work.items()}, interval_s)
+        shares = Plan(weight, {b: lease_s[b] - gap_s[b] for b in lease_s}, min(lease_s.values(), default=0.0))
+        return cls(config, backends, work, lease_s, lead, gap_s, interval_s, shares)
 
     def work_pairs(self) -> dict[str, set[str]]:
         """Every backend with the ids of the canaries any schedule sends it."""

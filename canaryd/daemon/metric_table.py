@@ -126,6 +126,31 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef(
         "build_info", "canaryd_build_info", "gauge", "canaryd's version.", ("version", "python_version"), LIVE
     ),
+    MetricDef(
+        "fleet_daemons",
+        "canaryd_fleet_daemons_live",
+        "gauge",
+        "Live daemons of the fleet sharing this daemon's database, at its last claim (1 on SQLite).",
+        (),
+        LIVE,
+    ),
+    MetricDef(
+        "fleet_backends",
+        "canaryd_fleet_backends_held",
+        "gauge",
+        "Backends whose probing lease this daemon holds.",
+        (),
+        LIVE,
+    ),
+    MetricDef(
+        "fleet_share",
+        "canaryd_fleet_weight_share",
+        "gauge",
+        "This daemon's share (0 to 1) of the fleet's work: the backends it holds, each weighted by its "
+        "canaries × passes per hour.",
+        (),
+        LIVE,
+    ),
     # -- per backend ----------------------------------------------------------------------------------
     MetricDef(
         "duration",

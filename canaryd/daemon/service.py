@@ -62,8 +62,8 @@ log = structlog.get_logger("canaryd.daemon")
 STOP_GRACE_S = 3.0
 # A step back of the wall clock larger than this reschedules every job (see `Daemon._follow_clock`).
 CLOCK_STEP_S = 1.0
-# A standby asks for a backend this long after its lease was due to end (`Daemon._claim`): the end as the
-# database counted it, measured here from the claim's answer.
+# A standby asks for a backend this long after its lease was due to end, or after its holder's next pass
+# when refused just before it (`Daemon._claim`): as the database counted them, measured from the answer.
 TAKEOVER_DELAY_S = 0.1
 # ... and this long before the holder's next pass is due: a killed holder's lease ends with its presence
 # (`canaryd.store.leases`), so its pass is taken on time; a live holder's claim is refused, harmlessly.
@@ -111,6 +111,7 @@ class Daemon:
         self.gen = Generation.build(config, self.stop_event, self.gate)
         self.tenure = Tenure(self.store, self.metrics)
         self._taken: dict[str, float] = {}  # backend -> when (monotonic) a takeover pass probed it
+        self._led: dict[str, float] = {}  # ... and a regular pass of its lead schedule
         self._busy: set[str] = set()  # backends a pass of this daemon is probing now
         self._choosing = threading.Lock()
         self._in_flight = 0  # passes running, of any generation (what a stop waits for)
@@ -122,8 +123,8 @@ class Daemon:
         self.httpd = None
 
     # -- probing ------------------------------------------------------------------------------------
-    def _pass(self, schedule: str, takeover: str | None = None) -> None:
-        """A pass of the schedule: of the backends this daemon holds, or of one backend it takes over."""
+    def _pass(self, schedule: str, takeover: tuple[str, ...] | None = None) -> None:
+        """A pass of the schedule: of the backends this daemon holds, or of those it takes over."""
         gen = self.gen
         begun = time.monotonic()
         gen.acquire()
@@ -133,13 +134,13 @@ class Daemon:
             work = gen.work.get(schedule, {})
             if takeover is None:
                 self.metrics.schedule_runs.labels(schedule).inc()
-            elif self.tenure.holders.get(takeover) == self.store.lease_holder:
-                work = {}  # a pass of this daemon took it meanwhile: that pass's phase it is
-            else:
-                work = {b: cs for b, cs in work.items() if b == takeover}
+            else:  # not one a pass of this daemon took meanwhile: that pass's phase it is
+                me = self.store.lease_holder
+                work = {b: cs for b, cs in work.items() if b in takeover and self.tenure.holders.get(b) != me}
             held = self._claim(gen, list(work)) if work else set()
             mine = self._choose(gen, schedule, held, takeover)
             work = self._affordable(gen, schedule, {b: cs for b, cs in work.items() if b in mine})
+            work = self._still_held(work)
             started: dict[str, float] = {}
             finished: dict[str, float] = {}
             futures = {
@@ -171,23 +172,42 @@ class Daemon:
             structlog.contextvars.unbind_contextvars("schedule")
             gen.release()
 
-    def _choose(self, gen: Generation, schedule: str, held: set[str], takeover: str | None) -> set[str]:
+    def _choose(
+        self, gen: Generation, schedule: str, held: set[str], takeover: tuple[str, ...] | None
+    ) -> set[str]:
         """Of the backends held, those this pass probes, decided under one lock: never one another pass
-        of this daemon is probing (a takeover pass and a regular one can start together), and not the
-        lead schedule's regular pass of a backend a takeover probed less than half an interval ago (two
-        probes in a row say nothing more; the next regular pass probes it)."""
+        of this daemon is probing (a takeover pass and a regular one can start together), not the lead
+        schedule's regular pass of a backend a takeover probed less than half an interval ago, and not a
+        takeover of one that either probed that recently (two probes in a row say nothing more; the next
+        regular pass probes it)."""
         now = time.monotonic()
+        recent = now - gen.interval_s.get(schedule, 0.0) / 2
         with self._choosing:
             chosen = held - self._busy
             if takeover is None:
-                recent = now - gen.interval_s.get(schedule, 0.0) / 2
-                chosen = {
-                    b for b in chosen if gen.lead.get(b) != schedule or self._taken.get(b, -math.inf) < recent
-                }
+                lead = {b for b in chosen if gen.lead.get(b) == schedule}
+                chosen -= {b for b in lead if self._taken.get(b, -math.inf) >= recent}
+                self._led.update(dict.fromkeys(lead & chosen, now))
             else:
+                last = {b: max(self._taken.get(b, -math.inf), self._led.get(b, -math.inf)) for b in chosen}
+                chosen = {b for b in chosen if last[b] < recent}
                 self._taken.update(dict.fromkeys(chosen, now))
             self._busy |= chosen
         return chosen
+
+    def _still_held(self, work: dict[str, list[Canary]]) -> dict[str, list[Canary]]:
+        """The backends still held as the pass sets out to probe them, marked so (`Store.start_probes`);
+        one taken meanwhile is skipped, and none if the database does not answer (as a failed claim)."""
+        if not work:
+            return work
+        try:
+            kept = self.store.start_probes(work)
+        except Exception:
+            log.exception("lease.claim_failed", backends=sorted(work))
+            return {}
+        for b in sorted(set(work) - kept):
+            log.warning("lease.lost", backend=b, reason="taken before its probe")
+        return {b: cs for b, cs in work.items() if b in kept}
 
     def _affordable(
         self, gen: Generation, schedule: str, work: dict[str, list[Canary]]
@@ -271,25 +291,38 @@ class Daemon:
         """Claim the backends' leases; those this daemon holds. For each held elsewhere, a takeover pass
         is due just before the holder's next pass: if the holder was killed (its presence gone), this
         daemon probes the backend then, on the holder's schedule; if it is alive, that pass only claims,
-        and asks again when the lease ends (a hung holder's backends are taken over then)."""
+        and asks again when the lease ends (a hung holder's backends are taken over then). Backends due
+        at once (one holder's, of one schedule) share a takeover pass: one claim, as their holder's pass."""
         with self.metrics.batched():
-            held, ends_in = self.tenure.claim(gen.lease_s, backends)
-        if not self.stop_event.is_set():
-            for b, seconds in ends_in.items():
-                due = seconds - (gen.lease_s[b] - gen.gap_s[b])  # the holder's next pass, without jitter
-                wait = due - TAKEOVER_EARLY_S if due > TAKEOVER_EARLY_S else seconds + TAKEOVER_DELAY_S
-                self.scheduler.add_job(
-                    self._job,
-                    DateTrigger(datetime.now(UTC) + timedelta(seconds=wait)),
-                    args=[gen.lead[b], b],
-                    id=TAKEOVER + b,
-                    name=TAKEOVER + b,
-                    misfire_grace_time=None,
-                    replace_existing=True,
-                )
+            held, ends_in = self.tenure.claim(gen.lease_s, backends, gen.plan)
+        if self.stop_event.is_set():
+            return held
+        groups: dict[tuple[str, float], list[str]] = {}
+        for b, seconds in ends_in.items():
+            due = seconds - (gen.lease_s[b] - gen.gap_s[b])  # the holder's next pass, without jitter
+            if due > TAKEOVER_EARLY_S:
+                wait = due - TAKEOVER_EARLY_S
+            elif due > 0:  # refused just before the holder's pass: ask again right after it (if it died)
+                wait = due + TAKEOVER_DELAY_S
+            else:
+                wait = seconds + TAKEOVER_DELAY_S
+            groups.setdefault((gen.lead[b], math.floor(wait * 10) / 10), []).append(b)
+        now = datetime.now(UTC)
+        for (schedule, wait), group in groups.items():
+            job = TAKEOVER + schedule + ":" + ",".join(sorted(group))
+            self.scheduler.add_job(
+                self._job,
+                DateTrigger(now + timedelta(seconds=wait)),
+                args=[schedule, tuple(sorted(group))],
+                id=job,
+                name=job,
+                misfire_grace_time=None,
+                max_instances=2,  # the pass that set it may still be running when it is due
+                replace_existing=True,
+            )
         return held
 
-    def _job(self, schedule: str, takeover: str | None = None) -> None:
+    def _job(self, schedule: str, takeover: tuple[str, ...] | None = None) -> None:
         """A pass, counted so a stop knows what it waits for; none starts once stopping."""
         with self._idle:
             if self.stop_event.is_set():

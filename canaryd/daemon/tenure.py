@@ -9,6 +9,7 @@ import structlog
 
 from canaryd.daemon.metrics import Metrics
 from canaryd.store import Store
+from canaryd.store.leases import Plan
 
 log = structlog.get_logger("canaryd.daemon")
 
@@ -22,13 +23,15 @@ class Tenure:
         self.holders: dict[str, str | None] = {}  # backend -> its holder at the last claim
         self._lock = threading.Lock()  # passes of several schedules claim at once
 
-    def claim(self, lease_s: dict[str, float], backends: list[str]) -> tuple[set[str], dict[str, float]]:
-        """Claim the backends' leases: (those this daemon holds now, the seconds until each other one's
-        lease ends). A claim that fails (the database is unreachable) holds nothing: the passes skip
-        them, and their last-probe times age."""
+    def claim(
+        self, lease_s: dict[str, float], backends: list[str], plan: Plan | None = None
+    ) -> tuple[set[str], dict[str, float]]:
+        """Claim the backends' leases, shared by the plan (if any: `canaryd.store.leases`): (those this
+        daemon holds now, the seconds until each other one's lease ends). A claim that fails (the database
+        is unreachable) holds nothing: the passes skip them, and their last-probe times age."""
         me = self.store.lease_holder
         try:
-            leases = self.store.claim_leases({b: lease_s[b] for b in backends})
+            leases = self.store.claim_leases({b: lease_s[b] for b in backends}, plan)
         except Exception:
             log.exception("lease.claim_failed", backends=backends)
             return set(), {}
@@ -41,8 +44,9 @@ class Tenure:
                 self.metrics.set_lease(b, holder == me)
                 if not self.store.leased:
                     continue
-                if holder == me:  # a takeover (from a holder that died, hung or stopped) is worth a warning
-                    taken = before not in ("", None)
+                if holder == me:  # a takeover (from a holder that died, hung or stopped) is worth a warning;
+                    # a handover from a live daemon (the fleet's shares moved) is not
+                    taken = before not in ("", None) and before not in self.store.fleet_view()
                     (log.warning if taken else log.info)(
                         "lease.acquired", backend=b, previous=before or None, seconds=lease_s[b]
                     )
@@ -50,8 +54,19 @@ class Tenure:
                     log.warning("lease.lost", backend=b, holder=holder)
                 else:
                     log.info("lease.held_elsewhere", backend=b, holder=holder)
+            if plan is not None:
+                self._share(plan)
         held = {b for b, lease in leases.items() if lease.holder == me}
         return held, {b: lease.ends_in for b, lease in leases.items() if b not in held}
+
+    def _share(self, plan: Plan) -> None:
+        """Export what this daemon holds of the plan's backends, and how many daemons share them."""
+        me = self.store.lease_holder
+        held = [b for b in plan.weight if self.holders.get(b) == me]
+        total = sum(plan.weight.values()) or 1.0
+        self.metrics.fleet_backends.set(len(held))
+        self.metrics.fleet_share.set(sum(plan.weight[b] for b in held) / total)
+        self.metrics.fleet_daemons.set(len(self.store.fleet_view()))
 
     def forget(self, backends: set[str]) -> None:
         """Backends a reload removed: their leases end now, and a later reload that adds one back starts

@@ -24,7 +24,7 @@ from canaryd.files import DIR_MODE, FILE_MODE
 from canaryd.store.cache import Cache
 
 MIGRATIONS = Path(__file__).with_name("migrations")
-SCHEMA_REVISION = "0007"  # the head revision (tests/unit/test_migrations.py checks it against the scripts)
+SCHEMA_REVISION = "0008"  # the head revision (tests/unit/test_migrations.py checks it against the scripts)
 TABLES = frozenset(
     {"run", "stack", "payload", "request", "outcome", "event", "observation", "baseline", "keep"}
 )
@@ -339,7 +339,10 @@ def _new_sqlite_file(engine: Engine) -> Path | None:
 
 
 def _migrate(engine: Engine) -> tuple[str | None, str]:
-    before = current_revision(engine)
+    try:
+        before = current_revision(engine)
+    except SchemaMismatch:  # read outside the lock: a migration may have committed between its queries
+        before = None  # (tables listed before, views after); decided again under the lock
     if before == SCHEMA_REVISION:
         return before, before
     from alembic import command

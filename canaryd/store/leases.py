@@ -8,7 +8,7 @@ of a pass before probing them, in one statement per pass::
 so a backend goes to whoever asks first once its lease has run out, and its holder renews it on every
 pass; the statement is atomic (a concurrent claim of the same row waits for the first, then sees its
 result), and the expiry is on the database's clock (``now()``), so daemons whose clocks disagree still
-agree on who holds what. A clean stop deletes the daemon's rows: the others take over at their next pass.
+agree on who holds what. A clean stop ends the daemon's leases: the others take over at its next pass.
 
 Why leases rather than session advisory locks (``pg_try_advisory_lock``): a lock lives as long as its
 connection. A SIGKILLed daemon's connection dies and its locks free, but a hung daemon (SIGSTOP, a frozen
@@ -22,11 +22,27 @@ next pass renews it in time. A lease also ends early when its holder's **presenc
 keeps one idle connection whose ``application_name`` is ``canaryd <token>`` (`presence_name`), recorded in
 its lease rows, and a claim takes a lease whose presence no longer shows in ``pg_stat_activity``. A daemon
 killed with SIGKILL loses that connection at once (the kernel closes its socket), so a standby that asks
-at the dead holder's next due time (`Daemon._claim`) probes the backend on time: no pass is missed. A hung
+at the dead holder's next due time (`Daemon._claim`) probes the backend on time: no pass is missed. With a
+`Plan` (a daemon's claims) such a lease is taken only from `EARLY_S` before that next pass, never sooner:
+the holder may have renewed it and probed the backend just before it died; unless it died between its
+claim and its probe (its pass marks ``lease.probed`` as it sets out, `start_probes`): then from an
+interval after its last probe, at once if it never probed. A hung
 holder keeps its connection, hence its presence: its backends go when its leases end, as before. A
 presence is recorded only while it is visible through the database's own connections (a pooler that
 hides it leaves the column NULL, and that holder's leases simply expire). SQLite keeps the single-daemon
 behaviour: no lease is written and every backend is this daemon's.
+
+**Shares.** With a `Plan` (the daemon's claims), the fleet shares the backends: each claim first records
+this daemon in the ``daemon`` table (its presence, its last claim ``seen``, its shortest lease), reads the
+live daemons (presence showing, ``seen`` within their lease) and computes who probes each backend
+(`canaryd.shares.assign`: every daemon computes the same from the same rows). A backend that hashes to
+this daemon but is held by another live one is taken from it at its holder's next pass (from `EARLY_S`
+before it is due: the holder probed it an interval ago, and does not probe it again, since its own claim
+then finds it taken): the handover needs no release, so it only happens once the new owner is live and
+asking, and no pass is missed or doubled. Any other backend is claimed as before (free, expired, or its
+holder's presence gone, at its next pass), so nothing waits for its owner to come. A daemon that stops
+deletes its row and marks its leases with its presence, which its store then closes: they are taken at its
+next passes, as a killed one's are; a killed one's row stays (not live) until pruned.
 """
 
 from __future__ import annotations
@@ -39,6 +55,7 @@ from typing import NamedTuple
 
 from sqlalchemy import Connection, text
 
+from canaryd.shares import assign
 from canaryd.store.engine import Connected
 
 # A late pass keeps its lease if it starts within this share of an interval (APScheduler's own lateness
@@ -47,18 +64,80 @@ GRACE = 0.25
 GRACE_MIN_S = 1.0
 GRACE_MAX_S = 30.0
 
-_CLAIM = text("""
-INSERT INTO lease (backend, holder, expires, presence)
-SELECT b, :holder, now() + make_interval(secs => s),
-       (SELECT a.application_name FROM pg_stat_activity a
-        WHERE a.application_name = CAST(:presence AS text) LIMIT 1)
-FROM unnest(CAST(:backends AS text[]), CAST(:seconds AS float8[])) AS t(b, s)
+# A backend that hashes here is taken from a live holder this long before the holder's next pass is due
+# (a standby asks `TAKEOVER_EARLY_S` before it, `canaryd.daemon.service`).
+EARLY_S = 0.5
+# A dead daemon's row (presence gone, or not seen for this many of its leases) is deleted by the next claim.
+PRUNE_LEASES = 10
+
+_VISIBLE = (
+    "(SELECT a.application_name FROM pg_stat_activity a "
+    "WHERE a.application_name = CAST(:presence AS text) LIMIT 1)"
+)
+_HEARTBEAT = text(f"""
+INSERT INTO daemon (holder, instance, presence, started, seen, lease_s)
+VALUES (:holder, :instance, {_VISIBLE}, now(), now(), :lease_s)
+ON CONFLICT (holder) DO UPDATE SET presence = excluded.presence, seen = now(), lease_s = excluded.lease_s
+""")
+_LIVE_WHERE = (
+    "d.seen + make_interval(secs => d.lease_s) > now() AND (d.presence IS NULL OR EXISTS "
+    "(SELECT 1 FROM pg_stat_activity a WHERE a.application_name = d.presence))"
+)
+_LIVE = text(f"SELECT d.holder FROM daemon d WHERE {_LIVE_WHERE}")
+_PRUNE = text(
+    f"DELETE FROM daemon WHERE holder IN (SELECT d.holder FROM daemon d WHERE d.holder <> :holder "
+    f"AND NOT ({_LIVE_WHERE}) AND d.seen + make_interval(secs => d.lease_s * {PRUNE_LEASES}) < now() "
+    "FOR UPDATE SKIP LOCKED)"
+)
+# A lease whose holder's presence no longer shows: the holder was killed, lost its connection or stopped.
+_GONE = (
+    "(lease.presence IS NOT NULL "
+    "AND NOT EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.application_name = lease.presence))"
+)
+# Backends held by another daemon whose next pass is due within EARLY_S (its lease's end less the grace the
+# lease adds to its interval), and that hash here or whose holder is gone: the holder probed them in its
+# last pass, so they are taken when it would have probed them next, never sooner (a gone holder's, from
+# `EARLY_S` before an interval after it last set out to probe it, `lease.probed`: at once if it never did).
+# `_LOCK` first locks them in the one order of every claimer (the claim's upsert, a statement of its own,
+# takes its rows in that order too): no deadlock; `_TAKE` checks the same again on the locked rows.
+_DUE = f"""lease.holder <> :holder AND (lease.backend = ANY(CAST(:ours AS text[])) OR {_GONE})
+  AND (lease.expires - make_interval(secs => t.g + {EARLY_S}) <= now()
+       OR ({_GONE}
+           AND COALESCE(lease.probed + make_interval(secs => t.s - t.g - {EARLY_S}), now()) <= now()))"""
+_LOCK = text(f"""
+SELECT lease.backend FROM lease
+JOIN unnest(CAST(:backends AS text[]), CAST(:seconds AS float8[]), CAST(:graces AS float8[])) AS t(b, s, g)
+  ON lease.backend = t.b
+WHERE {_DUE}
+ORDER BY lease.backend FOR UPDATE OF lease
+""")
+_TAKE = text(f"""
+UPDATE lease SET holder = :holder, expires = now() + make_interval(secs => t.s), presence = {_VISIBLE},
+       weight = t.w
+FROM unnest(CAST(:backends AS text[]), CAST(:seconds AS float8[]), CAST(:graces AS float8[]),
+            CAST(:weights AS float8[])) AS t(b, s, g, w)
+WHERE lease.backend = t.b AND {_DUE}
+""")
+_CLAIM_SQL = f"""
+INSERT INTO lease (backend, holder, expires, presence, weight)
+SELECT b, :holder, now() + make_interval(secs => s), {_VISIBLE}, w
+FROM unnest(CAST(:backends AS text[]), CAST(:seconds AS float8[]), CAST(:weights AS float8[])) AS t(b, s, w)
 ON CONFLICT (backend) DO UPDATE
-SET holder = excluded.holder, expires = excluded.expires, presence = excluded.presence
-WHERE lease.expires < now() OR lease.holder = excluded.holder
-   OR (lease.presence IS NOT NULL
-       AND NOT EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.application_name = lease.presence))
+SET holder = excluded.holder, expires = excluded.expires, presence = excluded.presence,
+    weight = excluded.weight
+WHERE lease.expires < now() OR lease.holder = excluded.holder{{gone}}
 RETURNING backend
+"""
+# With a `Plan`, a gone holder's leases are `_TAKE`n at its next pass; without one (no grace known), at once.
+_CLAIM = text(_CLAIM_SQL.format(gone=""))
+_CLAIM_GONE = text(_CLAIM_SQL.format(gone=f" OR {_GONE}"))
+# Marks the rows locked first in the claimers' one order (no deadlock with a claim or a take).
+_PROBED = text("""
+UPDATE lease SET probed = now()
+FROM (SELECT backend FROM lease WHERE holder = :holder AND backend = ANY(CAST(:backends AS text[]))
+      ORDER BY backend FOR UPDATE) AS mine
+WHERE lease.backend = mine.backend
+RETURNING lease.backend
 """)
 _HOLDERS = text(
     "SELECT backend, holder, extract(epoch FROM expires - now()) FROM lease "
@@ -71,6 +150,17 @@ def lease_seconds(interval_s: float, jitter_s: float = 0.0) -> float:
     of APScheduler's jitter, which only delays a pass) is due, plus a grace for a pass that starts late.
     A longer lease delays a takeover; a shorter one hands a backend over whenever a pass starts late."""
     return interval_s + jitter_s + min(max(GRACE * interval_s, GRACE_MIN_S), GRACE_MAX_S)
+
+
+class Plan(NamedTuple):
+    """What a daemon's claims share the backends by (`canaryd.daemon.generation.Generation.plan`): every
+    backend's weight (`canaryd.shares.weights`), the grace its lease adds to its holder's interval (so a
+    claim knows when the holder's next pass is due), and this daemon's shortest lease (it is live while its
+    last claim is more recent)."""
+
+    weight: Mapping[str, float]
+    grace: Mapping[str, float]
+    live_s: float
 
 
 class Lease(NamedTuple):
@@ -100,36 +190,82 @@ class Leases(Connected):
     lease_holder: str  # `holder_name`: this process's name in the lease table
     _presence: Connection | None = None  # the idle connection that says this process is alive
     _presence_lock: threading.Lock  # the daemon's passes claim from several threads
+    instance: str
+    _assigned: tuple[tuple, dict[str, str]] | None = None  # ((live set, weights), assignment) last computed
 
     @property
     def leased(self) -> bool:
         """Whether backends are leased (PostgreSQL); on SQLite this daemon holds them all."""
         return self.engine.dialect.name == "postgresql"
 
-    def claim_leases(self, seconds: Mapping[str, float]) -> dict[str, Lease]:
+    def claim_leases(self, seconds: Mapping[str, float], plan: Plan | None = None) -> dict[str, Lease]:
         """Take or renew the lease of each backend (for its number of seconds from now, on the database's
-        clock) unless another live holder has it; every backend's lease after the claim (held by
-        `lease_holder` where this process got it)."""
+        clock) unless another live holder has it, or, with a `Plan`, unless it hashes to this daemon and
+        its holder's next pass is due; every backend's lease after the claim (held by `lease_holder` where
+        this process got it)."""
         if not self.leased:
             return {b: Lease(self.lease_holder, s) for b, s in seconds.items()}
         names = sorted(seconds)  # one lock order for every claimer: overlapping claims cannot deadlock
         presence = self._present()
+        params = {
+            "holder": self.lease_holder,
+            "presence": presence,
+            "backends": names,
+            "seconds": [float(seconds[b]) for b in names],
+            "weights": [plan.weight.get(b) if plan else None for b in names],
+        }
+        if plan is not None:  # its own transaction: the claim below locks the rows in one statement
+            self._heartbeat(plan, presence)
+            with self.engine.begin() as conn:
+                ours = self._ours(conn, plan)
+                graces = [float(plan.grace[b]) for b in names]
+                lock = {k: params[k] for k in ("holder", "backends", "seconds")}
+                lock.update(graces=graces, ours=ours)
+                due = conn.execute(_LOCK, lock).scalars().all()
+                if due:
+                    take = dict(params, backends=due, seconds=[float(seconds[b]) for b in due], ours=ours)
+                    take["graces"] = [float(plan.grace[b]) for b in due]
+                    take["weights"] = [plan.weight[b] for b in due]
+                    conn.execute(_TAKE, take)
         with self.engine.begin() as conn:
-            mine = conn.execute(
-                _CLAIM,
-                {
-                    "holder": self.lease_holder,
-                    "presence": presence,
-                    "backends": names,
-                    "seconds": [float(seconds[b]) for b in names],
-                },
-            ).scalars()
+            mine = conn.execute(_CLAIM if plan is not None else _CLAIM_GONE, params).scalars()
             leases = {b: Lease(self.lease_holder, seconds[b]) for b in mine}
             rest = [b for b in names if b not in leases]
             if rest:
                 for b, holder, ends_in in conn.execute(_HOLDERS, {"backends": rest}):
                     leases[b] = Lease(holder, max(0.0, float(ends_in)))
         return {b: leases.get(b, Lease(None, 0.0)) for b in names}
+
+    def start_probes(self, backends: Iterable[str]) -> set[str]:
+        """Of the backends a pass claimed, those still this daemon's as it sets out to probe them, marked
+        probed (``lease.probed``, on the database's clock): a standby then takes a dead holder's backend
+        an interval after the holder last probed it, not sooner, and not later."""
+        if not self.leased:
+            return set(backends)
+        with self.engine.begin() as conn:
+            rows = conn.execute(_PROBED, {"holder": self.lease_holder, "backends": list(backends)})
+            return set(rows.scalars())
+
+    def _heartbeat(self, plan: Plan, presence: str | None) -> None:
+        """Record this daemon as live (and prune the dead), in a transaction of its own: the claims of this
+        daemon's passes hold its row's lock only for that, never while their own locks wait."""
+        row = {"holder": self.lease_holder, "instance": self.instance, "presence": presence}
+        with self.engine.begin() as conn:
+            conn.execute(_HEARTBEAT, dict(row, lease_s=plan.live_s))
+            conn.execute(_PRUNE, {"holder": self.lease_holder})
+
+    def _ours(self, conn: Connection, plan: Plan) -> list[str]:
+        """The live set read, the backends of the plan that hash here, sorted (the live set and its
+        assignment are kept while the live set stays the same)."""
+        live = tuple(sorted(conn.execute(_LIVE).scalars()))
+        key = (live, id(plan.weight))
+        if self._assigned is None or self._assigned[0] != key:
+            self._assigned = (key, assign(plan.weight, live))
+        return sorted(b for b, d in self._assigned[1].items() if d == self.lease_holder)
+
+    def fleet_view(self) -> tuple[str, ...]:
+        """The live daemons at this daemon's last claim (itself alone before the first, or on SQLite)."""
+        return self._assigned[0][0] if self._assigned else (self.lease_holder,)
 
     def _present(self) -> str | None:
         """This process's presence name, its connection (re)opened if it is not alive; None when it cannot
@@ -161,14 +297,20 @@ class Leases(Connected):
                 self._presence = None
 
     def release_leases(self, backends: Iterable[str] | None = None) -> int:
-        """End this process's leases (default: all of them) so another daemon takes the backends over at
-        its next pass rather than at the leases' expiry; how many ended."""
+        """End this process's leases (default: all of them, as it stops) so another daemon takes the
+        backends over at their next pass rather than at the leases' expiry; how many ended.
+
+        A stop leaves the fleet's live set, and marks its leases with its presence, which ends as the store
+        closes: the others take them at this daemon's next pass, as from a killed one (deleted, they would
+        be taken at once, and a backend this daemon has just probed would be probed again). A reload that
+        removes backends deletes their leases: this daemon no longer probes them."""
         if not self.leased:
             return 0
-        sql = "DELETE FROM lease WHERE holder = :holder"
         params: dict[str, object] = {"holder": self.lease_holder}
-        if backends is not None:
-            sql += " AND backend = ANY(CAST(:backends AS text[]))"
-            params["backends"] = list(backends)
         with self.engine.begin() as conn:
-            return conn.execute(text(sql), params).rowcount
+            if backends is not None:
+                sql = "DELETE FROM lease WHERE holder = :holder AND backend = ANY(CAST(:backends AS text[]))"
+                return conn.execute(text(sql), dict(params, backends=list(backends))).rowcount
+            conn.execute(text("DELETE FROM daemon WHERE holder = :holder"), params)
+            sql = "UPDATE lease SET presence = :presence WHERE holder = :holder"
+            return conn.execute(text(sql), dict(params, presence=presence_name(self.lease_holder))).rowcount

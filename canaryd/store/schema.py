@@ -23,6 +23,7 @@ Layout, chosen so that storage grows with change rather than with time:
 * ``calibration``: the noise model ``baseline calibrate`` learned per backend × canary × configuration.
 * ``detector``: each backend's e-CUSUM statistic and alarm, carried across cycles and restarts.
 * ``lease``: which daemon of a PostgreSQL fleet runs each backend's schedules, until when (``leases``).
+* ``daemon``: the daemons of a PostgreSQL fleet, with their presence and last claim (``leases``).
 * ``eval_session``: an evaluation run under canaryd (`canaryd.api.Session`, ``preflight``): the harness,
   task and samples, the serving configurations that answered them, and the runs before and after.
 """
@@ -226,6 +227,21 @@ class LeaseRow(SQLModel, table=True):
     holder: str  # `canaryd.store.leases.Leases.lease_holder`: instance name and a per-process token
     expires: datetime
     presence: str | None = None  # the holder's presence connection (`leases.presence_name`), when visible
+    weight: float | None = None  # the backend's canaries × passes per hour (`canaryd.shares.weights`)
+    probed: datetime | None = None  # when the holder last set out to probe it (`leases.start_probes`)
+
+
+class DaemonRow(SQLModel, table=True):
+    """A daemon of a fleet: live while its presence shows and its last claim (``seen``) is within
+    ``lease_s`` (its shortest lease), on the database's clock."""
+
+    __tablename__ = "daemon"
+    holder: str = Field(primary_key=True)  # `canaryd.store.leases.holder_name`
+    instance: str
+    presence: str | None = None
+    started: datetime
+    seen: datetime
+    lease_s: float
 
 
 def compress_payload(canonical: bytes) -> bytes:

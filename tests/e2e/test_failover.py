@@ -77,17 +77,20 @@ def test_two_daemons_share_the_work_and_take_over_from_a_killed_or_stopped_one(f
         lease + 2 * interval + 10,
         f"{heir} takes over {sorted(theirs)}",
     )
+    # (the live daemons share the backends: the first up held them all until the other took its share, so
+    # the victim may have probed one it handed over then)
     gaps = gaps_after(fleet.runs(), victim, killed)
-    assert set(gaps) == theirs
-    for b, gap in gaps.items():  # the heir probes when the victim's pass was due (+ a late start)
+    assert set(gaps) >= theirs
+    for b in theirs:  # the heir probes when the victim's pass was due (+ a late start)
+        gap = gaps[b]
         assert gap <= interval + SLACK, f"{b}: {gap:.2f}s without a probe (interval {interval}s)"
     acquired = [e for e in fleet.log(heir) if e["event"] == "lease.acquired" and e["level"] == "warning"]
     assert {e["backend"] for e in acquired} >= theirs
     assert all(e["previous"].startswith(f"{victim}#") for e in acquired if e["backend"] in theirs)
     assert fleet.metric(heir, "canaryd_backend_lease_held", "b1") == 1
 
-    # Restart the victim as a standby, then stop the holder cleanly: its leases are released, so the
-    # standby takes over at its next pass (an interval at most), not at the leases' expiry.
+    # Restart the victim (it takes its share back at the heir's passes), then stop the heir cleanly: its
+    # leases are released, so the victim takes over at its next pass (an interval at most), not at expiry.
     fleet.start(victim)
     fleet.wait_for(lambda: any(e["event"] == "started" for e in fleet.log(victim)), 60, "restart")
     time.sleep(interval)

@@ -25,10 +25,12 @@ class Fleet:
     """Daemons sharing ``backends`` scripted backends and one database; each has its own ``[daemon]``
     section (instance name, metrics port) and log file, and everything else is one config."""
 
-    def __init__(self, root: Path, url: str, backends: int = 3, interval: float = INTERVAL) -> None:
+    def __init__(
+        self, root: Path, url: str, backends: int = 3, interval: float = INTERVAL, suite: str = PLAIN
+    ) -> None:
         self.root, self.url, self.interval = root, url, interval
         self.backends = [f"b{i}" for i in range(1, backends + 1)]
-        (root / "plain.toml").write_text(PLAIN)
+        (root / "plain.toml").write_text(suite)
         self.common = (
             'state_dir = "state"\nsuites = ["plain.toml"]\n'
             + "".join(scripted(b) for b in self.backends)

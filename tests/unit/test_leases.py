@@ -85,13 +85,16 @@ class FleetStore:
         self.holders: dict[str, str | None] = {}
         self.down = False
 
-    def claim_leases(self, seconds):
+    def claim_leases(self, seconds, plan=None):
         if self.down:
             raise OSError("connection refused")
         return {
             b: Lease(self.holders.get(b), seconds[b] if self.holders.get(b) == "me#1" else 1.5)
             for b in seconds
         }
+
+    def fleet_view(self):
+        return (self.lease_holder,)
 
 
 def test_the_daemon_logs_and_exports_each_change_of_what_it_holds():
