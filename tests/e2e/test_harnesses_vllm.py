@@ -74,11 +74,12 @@ def bed(tmp_path_factory, tiny_model):
 def inspect_eval(lab: Lab, logs: Path, lb: Balancer, **env: str) -> Path:
     """`inspect eval` of the tiny task through the balancer; the one log it wrote."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("CANARYD_")}
+    (lab.root / TASK.name).write_text(TASK.read_text())
     p = subprocess.run(
         [
             str(Path(sys.executable).with_name("inspect")),
             "eval",
-            str(TASK),
+            TASK.name,  # Inspect takes a task file relative to its working directory
             "--model",
             "openai-api/bed/tiny",
             "--log-dir",
