@@ -82,6 +82,7 @@ def prometheus(tmp_path_factory):
         while not stop.wait(0.5):
             n += 1
             metrics.schedule_runs.labels("fast").inc()
+            metrics.schedule_overruns.labels("fast")  # 0 from the start, as the daemon installs it
             checks = {"add": Check(parting=0.4, noise=0.0)}
             cycle = Cycle("reference", checks, {"add": 0.0}, decide({"add": 0.0}, 0.01))
             passed = run(stack_fp=f"fp-{n % 2}", lp=-0.6, backend="local", canaries=ids)
