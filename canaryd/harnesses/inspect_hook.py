@@ -8,7 +8,7 @@ unless ``CANARYD_CONFIG`` names a canaryd config. Per task, through `canaryd.api
   canaries run and, with ``CANARYD_PIN``, the pin is checked.
 * **each sample**: the serving configuration that answered it, from the provider's own reply in the
   sample's model events (its ``system_fingerprint``, provider, routing headers): no extra request.
-* **task end**: probe again and write the record beside the log (``<log>.canaryd-record.json`` and
+* **task end**: probe again and write the record beside the log (``canaryd-record.<log>.json`` and
   ``.md``) and a summary into the log's ``eval.metadata["canaryd"]`` (what ``inspect view`` shows): the
   stack, the pin, the verdicts before and after, the configurations that served the samples with their
   counts, and a ``warning`` when more than one configuration answered or the stack moved.
@@ -166,7 +166,7 @@ class CanarydHooks(Hooks):
             return
         stem = Path(location).name.rsplit(".", 1)[0]
         session.out_dir = Path(location).parent
-        session.record_name = f"{stem}.canaryd-record"
+        session.record_name = f"canaryd-record.{stem}"  # a name Inspect does not list as a log
         await asyncio.to_thread(session.__exit__, None, None, None)
         doc = summary(session, session.out_dir / f"{session.record_name}.json")
         await asyncio.to_thread(_annotate, location, doc)

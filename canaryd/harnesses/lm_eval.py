@@ -5,7 +5,8 @@ evaluation_tracker.py``) is built by the CLI itself and writes ``<output_path>/<
 with the task hashes, the task configs and the sample counts (``n-samples``). So canaryd wraps the command
 (``canaryd preflight --pin … --out DIR -- lm_eval run … --output_path DIR``): the gate refuses a moved
 stack before lm-eval starts, and afterwards the results file the run wrote is found here and read, so that
-the record is written beside it (``results_<date>.canaryd-record.json``) and names it, its task hashes and
+the record is written beside it (``canaryd-record.results_<date>.json``, a name lm-eval's own
+readers of ``results_*.json`` pass by) and names it, its task hashes and
 its samples.
 """
 

@@ -439,9 +439,9 @@ def run_preflight(
         command=command_doc,
         # lm-eval keeps the answers' text, not the replies that named a configuration: samples unnamed
         evaluation=Evaluation("lm-eval", ",".join(results.tasks), {"": results.samples}) if results else None,
-        name=f"{results.path.stem}.canaryd-record" if results else "canaryd-record",
+        name=f"canaryd-record.{results.path.stem}" if results else "canaryd-record",
     )
     if results is None:
         return PreflightReport(argv, checked, out_dir, returncode, record=rec)
-    name = f"{results.path.stem}.canaryd-record"
+    name = f"canaryd-record.{results.path.stem}"
     return PreflightReport(argv, checked, results.path.parent, returncode, record=rec, name=name)

@@ -114,7 +114,7 @@ def test_the_hook_records_the_stack_refuses_a_moved_one_and_names_a_mixed_fleet(
 
     off = inspect_eval(lab, tmp_path / "off", lb)
     assert "canaryd" not in (read_eval_log(str(off)).eval.metadata or {})
-    assert not list((tmp_path / "off").glob("*.canaryd-record.*"))
+    assert not list((tmp_path / "off").glob("canaryd-record.*"))
 
     clean = inspect_eval(lab, tmp_path / "clean", lb, **hook, CANARYD_PIN=str(pin))
     log = read_eval_log(str(clean))
@@ -196,8 +196,8 @@ def test_lm_eval_under_preflight_records_beside_its_results_and_a_moved_stack_re
 
     ran = lm_eval(lab, lb, pin, tmp_path / "out", tasks)
     assert ran.returncode == 0, ran.stderr[-3000:]
-    [results] = [p for p in (tmp_path / "out").rglob("results_*.json") if "canaryd-record" not in p.name]
-    record_file = results.with_name(f"{results.stem}.canaryd-record.json")
+    [results] = (tmp_path / "out").rglob("results_*.json")  # the record beside it is not one
+    record_file = results.with_name(f"canaryd-record.{results.stem}.json")
     record = json.loads(record_file.read_text())
     cited = record["command"]["results"]
     doc = json.loads(results.read_text())
@@ -210,7 +210,7 @@ def test_lm_eval_under_preflight_records_beside_its_results_and_a_moved_stack_re
         5,
         True,
     )
-    assert results.with_name(f"{results.stem}.canaryd-record.md").is_file()
+    assert results.with_name(f"canaryd-record.{results.stem}.md").is_file()
 
     lb.set_pool({bf16.port: 1.0})  # the stack moved since the pin
     refused = lm_eval(lab, lb, pin, tmp_path / "refused", tasks)
