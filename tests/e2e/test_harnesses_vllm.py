@@ -132,9 +132,12 @@ def test_the_hook_records_the_stack_refuses_a_moved_one_and_names_a_mixed_fleet(
     assert moved.status == "error" and "canaryd" in (moved.error.message if moved.error else "")
     assert not moved.samples  # refused before any sample was sent
 
+    # the bfloat16 server is meant to serve beside the float32 one: accepted, it is a configuration of its own
+    assert lab.cli("baseline", "accept").returncode == 0
     lb.set_pool({fp32.port: 1.0, bf16.port: 1.0})
     mixed = read_eval_log(str(inspect_eval(lab, tmp_path / "mixed", lb, **hook)))
-    meta = mixed.eval.metadata["canaryd"]
+    meta = (mixed.eval.metadata or {}).get("canaryd")
+    assert meta is not None, mixed.error
     assert len(meta["configurations"]) == 2 and sum(meta["configurations"].values()) == 20
     assert "2 serving configurations answered the samples" in meta["warning"]
 
