@@ -42,7 +42,6 @@ new, so each is judged in full) and without its alert row. The judge parses each
 from __future__ import annotations
 
 import argparse
-import math
 import re
 import shutil
 import subprocess
@@ -57,6 +56,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.intervals import clopper_pearson  # noqa: E402
 from canaryd import log  # noqa: E402
 from canaryd.judge.compare import Decision, decide  # noqa: E402
 from canaryd.judge.learning import Learning, is_learning  # noqa: E402
@@ -82,47 +82,12 @@ DRIFT_ALERTS = ("CanarydLogprobDrift", "CanarydAnswerChanged", "CanarydRegressio
 
 
 # -- statistics ----------------------------------------------------------------------------------------
-def _binom_cdf(k: int, n: int, p: float) -> float:
-    """P(X ≤ k) for X ~ Binomial(n, p), summed in log space."""
-    if p <= 0.0:
-        return 1.0
-    if p >= 1.0:
-        return 1.0 if k >= n else 0.0
-    lp, lq = math.log(p), math.log1p(-p)
-    terms = [
-        math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * lp + (n - i) * lq
-        for i in range(k + 1)
-    ]
-    top = max(terms)
-    return min(1.0, math.exp(top) * sum(math.exp(t - top) for t in terms))
-
-
-def _solve(f, target: float) -> float:
-    """The p in [0, 1] where the decreasing ``f`` crosses ``target`` (bisection)."""
-    lo, hi = 0.0, 1.0
-    for _ in range(100):
-        mid = (lo + hi) / 2
-        if f(mid) > target:
-            lo = mid
-        else:
-            hi = mid
-    return (lo + hi) / 2
-
-
-def clopper_pearson(k: int, n: int, conf: float = 0.95) -> tuple[float, float]:
-    """The exact two-sided interval of a binomial proportion k/n."""
-    if n == 0:
-        return 0.0, 1.0
-    a = (1 - conf) / 2
-    lo = 0.0 if k == 0 else _solve(lambda p: _binom_cdf(k - 1, n, p), 1 - a)
-    hi = 1.0 if k == n else _solve(lambda p: _binom_cdf(k, n, p), a)
-    return lo, hi
-
-
 def rate(k: int, n: int, per: float = 1.0) -> str:
     """``k/n`` as a rate per ``per`` with its 95% interval."""
+    if not n:
+        return "—"
     lo, hi = clopper_pearson(k, n)
-    return f"{k}/{n:,} = {per * k / n:.3g} [{per * lo:.2g}, {per * hi:.2g}]" if n else "—"
+    return f"{k}/{n:,} = {per * k / n:.3g} [{per * lo:.2g}, {per * hi:.2g}]"
 
 
 # -- a deployment --------------------------------------------------------------------------------------
