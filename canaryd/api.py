@@ -265,9 +265,10 @@ class Session:
 
 
 def configuration_of_response(response: Any) -> str:
-    """The serving configuration a provider's reply names (`canaryd.stack.configuration_of` over its
-    fingerprint, provider and routing headers), "" when it names none. Takes what a client hands back:
-    a dict, an object with ``model_dump()`` (the OpenAI SDK), or None."""
+    """The serving configuration a provider's reply names: `canaryd.stack.configuration_of` over the
+    fields a probe would record from it (`openai_headers.reply_fields`), "" when it names none. Takes what
+    a client hands back: a dict, an object with ``model_dump()`` (the OpenAI SDK), or None."""
+    from canaryd.backends.openai_headers import reply_fields
     from canaryd.stack import configuration_of
 
     if response is None:
@@ -275,8 +276,8 @@ def configuration_of_response(response: Any) -> str:
     doc = response.model_dump() if hasattr(response, "model_dump") else response
     if not isinstance(doc, Mapping):
         return ""
-    fields = {f"response.{k}": str(doc[k]) for k in ("system_fingerprint", "provider") if doc.get(k)}
     headers = doc.get("headers")
-    if isinstance(headers, Mapping):
-        fields |= {f"header.{str(k).lower()}": str(v) for k, v in headers.items()}
+    lowered = {str(k).lower(): str(v) for k, v in headers.items()} if isinstance(headers, Mapping) else {}
+    provider = None if doc.get("provider") is None else str(doc["provider"])
+    fields = reply_fields(doc.get("model"), doc.get("system_fingerprint"), None, provider, lowered)
     return configuration_of(fields)

@@ -111,14 +111,7 @@ class Prober:
 
     def response_stack(self, r: wire.Parsed, headers: httpx2.Headers) -> dict[str, str]:
         """Per-response serving facts: they join the backend snapshot in the observation's stack."""
-        fields = {"response.model": str(r.model), "response.system_fingerprint": str(r.system_fingerprint)}
-        if r.service_tier is not None:
-            fields["response.service_tier"] = r.service_tier
-        if r.provider is not None:
-            fields["response.provider"] = r.provider
-        fields.update({f"header.{h}": headers[h] for h in openai_headers.IDENTITY_HEADERS if h in headers})
-        fields.update(openai_headers.gateway_fields(headers))
-        return fields
+        return openai_headers.reply_fields(r.model, r.system_fingerprint, r.service_tier, r.provider, headers)
 
     def gateway_logprobs(self, obs: Observation, r: wire.Parsed, asked: bool) -> None:
         """Through a gateway (LiteLLM's headers, OpenRouter's ``provider``), whether the logprobs asked for

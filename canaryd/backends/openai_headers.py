@@ -1,5 +1,6 @@
 """The response headers an OpenAI-style answer records: which ones (exact names, never credentials or
-cookies), cut to what length, and the ``gateway.*`` stack fields a LiteLLM proxy's headers become.
+cookies), cut to what length, the ``gateway.*`` stack fields a LiteLLM proxy's headers become, and the
+per-response stack fields an answer contributes (`reply_fields`).
 """
 
 from __future__ import annotations
@@ -77,3 +78,24 @@ def gateway_fields(headers: Mapping[str, str]) -> dict[str, str]:
         if value:  # credentials in a URL (user:password@) never reach the stack
             out[f"gateway.{name}"] = storable(redact_url(value)[:MAX_HEADER_VALUE])
     return out
+
+
+def reply_fields(
+    model: object,
+    system_fingerprint: object,
+    service_tier: str | None,
+    provider: str | None,
+    headers: Mapping[str, str],
+) -> dict[str, str]:
+    """Per-response serving facts (they join the backend snapshot in an observation's stack): the body's
+    model, fingerprint, service tier and upstream provider, the identity headers and the gateway's.
+    ``headers`` looked up by lower-case name. The HTTP kinds record these; `canaryd.api` reads a harness's
+    replies through the same function, so a sample's configuration is the one a probe would record."""
+    fields = {"response.model": str(model), "response.system_fingerprint": str(system_fingerprint)}
+    if service_tier is not None:
+        fields["response.service_tier"] = service_tier
+    if provider is not None:
+        fields["response.provider"] = provider
+    fields.update({f"header.{h}": headers[h] for h in IDENTITY_HEADERS if h in headers})
+    fields.update(gateway_fields(headers))
+    return fields
