@@ -378,7 +378,8 @@ class Daemon:
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def start(self) -> None:
-        """Listen, schedule, then READY. An address that cannot be listened on is a config error (exit 2)."""
+        """Listen, seed the metrics from the history, serve them, schedule, then READY. An address that
+        cannot be listened on is a config error (exit 2)."""
         host, port = self.config.daemon.host_port
         web = self.config.daemon.web_config
         web = None if web is None else load_web_config(web)  # InputError (exit 2) naming the file and key
@@ -389,9 +390,9 @@ class Daemon:
             raise InputError(
                 f"{self.config.path}: daemon.listen {self.config.daemon.listen}: {why[:1].lower()}{why[1:]}"
             ) from None
-        threading.Thread(target=self.httpd.serve_forever, name="metrics-http", daemon=True).start()
         self._install(self.gen)
-        self._restore_last_probes()
+        self._restore_last_probes()  # before the first scrape: a restart's gap shows from it on
+        threading.Thread(target=self.httpd.serve_forever, name="metrics-http", daemon=True).start()
         self.scheduler.start()
         log.info(
             "started",
