@@ -34,15 +34,12 @@ def check(
     max_configurations: MaxConfigurations = None,
 ) -> None:
     """Probe, compare with the baselines, and exit 0/1/2/3 (the gate for CI and benchmark sessions)."""
+    from canaryd.api import Canaryd
     from canaryd.progress import shown
-    from canaryd.report.pin import load_pin
 
-    if pin is not None:
-        load_pin(pin)  # a bad pin file is refused before anything is sent
+    checker = Canaryd(load(ctx))
     with shown("probing", "canaries", enabled=show_progress(as_json)):
-        from canaryd.api import Canaryd
-
-        passed = Canaryd(load(ctx)).check(backend, pin=pin, max_configurations=max_configurations).passed
+        passed = checker.check(backend, pin=pin, max_configurations=max_configurations).passed
     from canaryd.report.console import show_pass
 
     show_pass(passed, as_json, console())
