@@ -26,22 +26,13 @@ import pytest
 
 from canaryd.judge.verdicts import Verdict
 from canaryd.lab.vllm_process import free_port
+from tests.harness.alerts import drift_alerts
 from tests.harness.services import need, query, start_prometheus, wait_for
 
 REPO = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
 RULES = REPO / "prometheus" / "canaryd-alerts.yml"
 DRIFT = "|".join(v.value for v in Verdict if v.is_drift)
-DRIFT_ALERTS = "|".join(
-    (
-        "CanarydRegression",
-        "CanarydReferenceMismatch",
-        "CanarydDeterminismBroken",
-        "CanarydAnswerChanged",
-        "CanarydLogprobDrift",
-        "CanarydStackChanged",
-        "CanarydDriftEvidence",
-    )
-)
+DRIFT_ALERTS = "|".join(drift_alerts(RULES))
 NOISE_SD = 0.01
 SHIFT = -0.3
 CANARIES = ("add", "capital", "colors", "planet")
