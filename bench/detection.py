@@ -100,6 +100,7 @@ from bench.detection_lab import (  # noqa: E402
     reference_checks,
     sampled,
     server,
+    tracking_canaries,
     trained_model,
 )
 from bench.detection_methods import (  # noqa: E402
@@ -108,6 +109,7 @@ from bench.detection_methods import (  # noqa: E402
     REQUESTS,
     Reference,
     alpha_rule,
+    permutations_for,
 )
 from bench.detection_peers import PEER_REQUESTS, PEERS, split  # noqa: E402
 from bench.detection_race import as_json, off_test_cost, per_method_table, race, race_table, tally  # noqa: E402
@@ -155,6 +157,8 @@ class Settings:
     r_probes: tuple[int, ...]
     r_samples: tuple[int, ...]
     resamples: int  # bootstrap resamples of every interval
+    permutation_floor: int  # LT's and MET's permutations: at least this many, and enough for alpha
+    lt_max_n: int  # LT's equal-token windows beyond this many rows are not run
 
 
 FULL = Settings(
@@ -170,6 +174,8 @@ FULL = Settings(
     r_probes=(1, 2, 4, 8, 16),
     r_samples=(1, 2, 4, 8, 16, 32),
     resamples=1000,
+    permutation_floor=999,
+    lt_max_n=1200,
 )
 QUICK = replace(
     FULL,
@@ -184,7 +190,17 @@ QUICK = replace(
     r_probes=(1, 2, 4, 8),
     r_samples=(1, 2, 4, 8, 16),
     resamples=500,
+    permutation_floor=0,  # 2/alpha − 1: 199 at alpha 0.01, still exact (p can fall to alpha/2)
+    lt_max_n=300,
 )
+
+
+def reductions(settings: Settings, alpha: float) -> str:
+    """What a run measures less than the full mode, each setting beside the full one's."""
+    full = asdict(FULL) | {"permutation_floor": permutations_for(alpha, FULL.permutation_floor)}
+    mine = asdict(settings) | {"permutation_floor": permutations_for(alpha, settings.permutation_floor)}
+    names = {"permutation_floor": "LT's and MET's permutations", "lt_max_n": "LT's largest window (rows)"}
+    return ", ".join(f"{names.get(k, k)} {v} (full: {full[k]})" for k, v in mine.items() if v != full[k])
 
 
 def analyse(
@@ -217,6 +233,7 @@ def serve_all(
         try:
             calibration = greedy_probes(reference, canaries, settings.k)
             forced = forced_canaries(reference)
+            tracking = tracking_canaries()
             ref = Reference(
                 canaries,
                 calibration,
@@ -227,6 +244,8 @@ def serve_all(
                 settings.k,
                 forced,
                 greedy_probes(reference, forced, settings.k),
+                tracking=tracking,
+                tracking_calibration=greedy_probes(reference, tracking, settings.k),
             )
             phases["baseline server"] = time.perf_counter() - t
             print(
@@ -240,10 +259,11 @@ def serve_all(
                 """Probe a server; ``deployed_here``: canaryd also calibrates on it (the fleet)."""
                 backend = backend_for(base_url)
                 try:
-                    s = collect(variant, backend, startup, canaries, forced, settings, rng)
+                    s = collect(variant, backend, startup, canaries, forced, tracking, settings, rng)
                     if deployed_here:
                         s.extra["calibration"] = greedy_probes(backend, canaries, settings.k)
                         s.extra["forced calibration"] = greedy_probes(backend, forced, settings.k)
+                        s.extra["tracking calibration"] = greedy_probes(backend, tracking, settings.k)
                     checks, scored = reference_checks(reference, canaries, s.greedy)
                     ref.checks.update(checks)
                     ref.scored.update(scored)
@@ -302,7 +322,7 @@ def main() -> None:
     ap.add_argument(
         "--quick",
         action="store_true",
-        help="fewer restarts, scales, samples and trials (about 9 min on 2 cores)",
+        help="fewer restarts, scales, samples, trials and permutations, LT windows up to 300 rows (printed)",
     )
     ap.add_argument("--alpha", type=float, default=0.01, help="per-test false-alarm rate of every method")
     ap.add_argument("--json", type=Path, help="also write every figure to this JSON file")
@@ -319,6 +339,8 @@ def main() -> None:
     if not 0 < args.alpha < 1:
         ap.error("--alpha must lie strictly between 0 and 1")
     settings = QUICK if args.quick else FULL
+    if args.quick:
+        print(f"quick mode, reduced: {reductions(settings, args.alpha)}", flush=True)
     log.configure("warning")
     t_start = time.perf_counter()
     phases: dict[str, float] = {}
@@ -406,6 +428,8 @@ def main() -> None:
         f"alpha {args.alpha:g} per test; budget r = requests per canary/prompt, C·r = {c}·r requests "
         f"per test; {settings.trials} trials per server and budget; N0 over {len(servers['N0'])} restarts"
     )
+    if args.quick:
+        print(f"QUICK mode, reduced: {reductions(settings, args.alpha)}")
     print(
         f"canaryd knobs from alpha, for any test of up to {max(settings.r_probes)} cycles: min_out "
         f"{rule.min_out}, arl {rule.arl:g}"
