@@ -8,6 +8,8 @@ uniform and would flatter every method), and then silently changed variants of i
   D1     the same weights served with --dtype bfloat16
   Q1     int8 weight round trip (`tinymodel.perturb_weights(mode="int8")`)
   Q2     4-bit round trip, groups of 32 (`mode="int4"`)
+  P<f>   magnitude pruning: the fraction f of each weight matrix's smallest weights set to 0 (LT's axes;
+         full mode only)
   G<s>   gaussian weight noise of s × each tensor's std, at several scales; the sub-argmax ones leave
          every greedy canary's text unchanged (each is labelled)
   F      the heterogeneous fleet: an f32 and a bf16 server of the same weights behind a random balancer,
@@ -122,6 +124,7 @@ from bench.detection_report import (  # noqa: E402
     tokens_per_request,
 )
 from bench.detection_shim import shim_outcomes  # noqa: E402
+from bench.detection_text import TEXT_METHODS, text_only  # noqa: E402
 from canaryd import log  # noqa: E402
 from canaryd.config import CompareConfig  # noqa: E402
 from canaryd.judge.stats import fit  # noqa: E402
@@ -151,6 +154,7 @@ class Settings:
     lt_pool: int  # LT probes per server
     restarts: int  # N0 servers
     g_scales: tuple[float, ...]  # G: weight noise relative to each tensor's std
+    prune: tuple[float, ...]  # P: the fraction of each matrix's smallest weights pruned
     trials: int  # Monte-Carlo trials per variant × method (per server)
     null_trials: int  # shim trials on N0 (a false-alarm rate needs more)
     deployments: int  # shim: independent draws of mode offsets and calibration
@@ -168,6 +172,7 @@ FULL = Settings(
     lt_pool=32,
     restarts=4,
     g_scales=(1e-2, 3e-3, 1e-3, 3e-4, 1e-4),
+    prune=(0.01, 0.03),
     trials=200,
     null_trials=1000,
     deployments=5,
@@ -184,6 +189,7 @@ QUICK = replace(
     lt_pool=16,
     restarts=2,
     g_scales=(3e-3, 3e-4),
+    prune=(),
     trials=50,
     null_trials=200,
     deployments=2,
@@ -204,12 +210,17 @@ def reductions(settings: Settings, alpha: float) -> str:
 
 
 def analyse(
-    ref: Reference, servers: dict[str, list[Served]], settings: Settings, alpha: float, seed: int
+    ref: Reference,
+    servers: dict[str, list[Served]],
+    settings: Settings,
+    alpha: float,
+    seed: int,
+    methods: dict | None = None,
 ) -> Cells:
-    """Every method on every server, trials pooled over a variant's servers (N0: over the restarts); the
-    companion rows an outcome carries become rows of their own."""
+    """Every method (of ``methods``: all by default) on every server, trials pooled over a variant's servers
+    (N0: over the restarts); the companion rows an outcome carries become rows of their own."""
     cells: Cells = {}
-    for name, method in (METHODS | PEERS).items():
+    for name, method in (methods or METHODS | PEERS).items():
         for variant, served in servers.items():
             for i, s in enumerate(served):
                 rng = random.Random(f"{seed}-{name}-{variant}-{i}")
@@ -349,15 +360,24 @@ def main() -> None:
     canaries = bench_canaries()
     t = time.perf_counter()
     model = trained_model(canaries)
-    weights = {
-        "Q1": perturb_weights(model, CACHE / "detection-trained-seed0-int8", mode="int8"),
-        "Q2": perturb_weights(model, CACHE / "detection-trained-seed0-int4", mode="int4"),
-    } | {
-        f"G{s:g}": perturb_weights(
-            model, CACHE / f"detection-trained-seed0-noise{s:g}", mode="noise", scale=s
-        )
-        for s in settings.g_scales
-    }
+    weights = (
+        {
+            "Q1": perturb_weights(model, CACHE / "detection-trained-seed0-int8", mode="int8"),
+            "Q2": perturb_weights(model, CACHE / "detection-trained-seed0-int4", mode="int4"),
+        }
+        | {
+            f"G{s:g}": perturb_weights(
+                model, CACHE / f"detection-trained-seed0-noise{s:g}", mode="noise", scale=s
+            )
+            for s in settings.g_scales
+        }
+        | {
+            f"P{f:g}": perturb_weights(
+                model, CACHE / f"detection-trained-seed0-prune{f:g}", mode="prune", scale=f
+            )
+            for f in settings.prune
+        }
+    )
     phases["build models"] = time.perf_counter() - t
 
     if args.probes and args.probes.exists():
@@ -387,7 +407,8 @@ def main() -> None:
     }
 
     # 4. the figures: real, then SYNTHETIC (one process per σ_mode: the servers are gone)
-    order = ["N0", "F", "FQ1", "D1", "Q1", "Q2", *(f"G{s:g}" for s in settings.g_scales)]
+    order = ["N0", "F", "FQ1", "D1", "Q1", "Q2", *(f"P{f:g}" for f in settings.prune)]
+    order += [f"G{s:g}" for s in settings.g_scales]
     ladder = [v for v in order if v not in ("N0", "F", "FQ1")]
     c = len(canaries)
     tokens = {name: tokens_per_request(name, servers["N0"][0]) for name in REQUESTS | PEER_REQUESTS}
@@ -397,6 +418,11 @@ def main() -> None:
     real = analyse(ref, servers, settings, args.alpha, args.seed)
     real_figs = figures(real, ladder, c, tokens)
     phases["real analysis"] = time.perf_counter() - t
+    t = time.perf_counter()
+    text = analyse(*text_only(ref, servers), settings, args.alpha, args.seed, TEXT_METHODS)
+    text_figs = figures(text, ladder, c, tokens)
+    text_race = race(text, ladder, c, tokens, args.seed, settings.resamples)
+    phases["text-only analysis"] = time.perf_counter() - t
     t = time.perf_counter()
     with ProcessPoolExecutor(max_workers=min(len(SHIM_LEVELS), os.cpu_count() or 1)) as pool:
         jobs = {
@@ -457,6 +483,14 @@ def main() -> None:
     print()
     print_race("REAL", real_race, off, settings.r_probes)
     print()
+    print(
+        "TEXT-ONLY provider (the same answers, logprobs withheld): canaryd on its text basis, exact match, "
+        "two-sample, MET kernel, Token-DiFR; LT, teacher-forced and the reference gap need logprobs"
+    )
+    print(power_table(text, text_figs, order, rs))
+    print()
+    print_race("TEXT-ONLY", text_race, None, settings.r_probes)
+    print()
     real_targets = targets(real_figs, real, tokens, c, scored, args.alpha, real_race)
     print("targets (canaryd, REAL):")
     print("\n".join(f"- {line}" for line in real_targets))
@@ -501,8 +535,9 @@ def main() -> None:
             "tokens_per_request": tokens,
             "startup_s": {v: [s.startup_s for s in ss] for v, ss in servers.items()},
             "real": real_figs,
+            "text_only": text_figs,
             "targets": {"real": real_targets} | {f"synthetic {s}": x for s, x in shim_targets.items()},
-            "race": {"real": as_json(real_race)}
+            "race": {"real": as_json(real_race), "text-only": as_json(text_race)}
             | {f"synthetic {s}": as_json(x) for s, x in shim_race.items()},
             "off_test_cost": off,
             "synthetic": {

@@ -11,9 +11,19 @@ from datetime import UTC, datetime
 import pytest
 
 from bench.detection_lab import SHIM_MODES, Served, Shim, check_key, composed
-from bench.detection_methods import OURS, REFERENCE_ROW, Reference, canaryd_reference, deployment, judged
-from bench.detection_peers import DIFR, LT, LT_P, LT_PROD, difr_method, lt_method, lt_windows, split
+from bench.detection_methods import (
+    OURS,
+    REFERENCE_ROW,
+    TRACKING_ROW,
+    Reference,
+    canaryd_reference,
+    deployment,
+    detector_method,
+    judged,
+)
+from bench.detection_peers import DIFR, LT, LT_P, LT_PROD, MET, difr_method, lt_method, lt_windows, split
 from bench.detection_shim import shim_outcomes
+from bench.detection_text import TEXT_METHODS, text_only
 from canaryd.backends.noise import CAP, NoiseModel, Realistic
 from canaryd.canaries import Canary, Decoding
 from canaryd.judge.compare import Verdict
@@ -243,3 +253,33 @@ def test_the_realistic_shim_moves_logprobs_by_its_paths_and_never_a_token():
     other = shim(base, [0.0, 1.0] + [0.0] * (SHIM_MODES - 2))
     d = [abs(x.logprob - y.logprob) for x, y in zip(a.tokens, other.tokens, strict=True)]
     assert 0 < sum(x > 0.1 for x in d) < 40 and max(d) <= 2 * CAP
+
+
+def test_a_text_only_provider_races_only_what_reads_text_and_canaryd_judges_its_text():
+    """Logprobs withheld: LT, the teacher-forced canaries and the reference gap sit out; canaryd, calibrated
+    on text-only probes, is quiet where only logprobs moved and alarms where a text moved."""
+    assert set(TEXT_METHODS) == {
+        "canaryd",
+        TRACKING_ROW,
+        "exact text match",
+        "two-sample text (T=1)",
+        DIFR,
+        MET,
+    }
+    ref = Reference([CANARY], {"c": [obs("f32", -0.5)] * 4}, {}, {}, {}, [], 4)
+    servers = {"N0": [served("N0", [obs("f32", -0.5)] * 4)], "Q1": [served("Q1", [obs("f32", -0.9)] * 4)]}
+    servers["Q2"] = [served("Q2", [obs("f32", -0.5, "6")] * 4)]
+    tref, tservers = text_only(ref, servers)
+    assert ref.calibration["c"][0].tokens and servers["Q1"][0].greedy["c"][0].tokens  # the run is untouched
+    for s in (tref.calibration["c"], *(x[0].greedy["c"] for x in tservers.values())):
+        assert all(not o.tokens and not o.has_logprobs for o in s)
+    known = deployment(tref.calibration)
+    out = {
+        v: detector_method([CANARY], known, tservers[v][0].greedy, Settings(), 0.01, random.Random(0))
+        for v in servers
+    }
+    for v in ("N0", "Q1"):  # only logprobs moved on Q1: the text basis cannot see it
+        assert not any(o.reject for x in out[v].values() for o in x)
+        assert {o.score for o in out[v][2]} == {(False, 0.5, 0)}
+    # one canary alone cannot alarm on one cycle at alpha 0.01 (its p-value ≥ 1/(K+1)); on two it does
+    assert all(o.reject and o.score[2] == 2 for o in out["Q2"][2])
