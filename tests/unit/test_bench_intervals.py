@@ -11,6 +11,7 @@ import pytest
 from bench.detection_methods import TRACKING_ROW, Outcome
 from bench.detection_peers import LT
 from bench.detection_race import race, race_table, tally
+from bench.detection_report import targets
 from bench.intervals import Interval, auc_difference, auc_interval, clopper_pearson, rate, verdict
 from bench.peers import roc_auc
 
@@ -130,3 +131,9 @@ def test_at_equal_tokens_each_peer_also_meets_the_shipped_suite_where_another_mo
     assert best["verdict"] == "ahead" and shipped["verdict"] == "tie"  # both random there
     assert "shipped suite: canaryd (1)" in race_table(result, "tokens")
     assert tally(result) == f"{LT}: ahead {len([x for x in at if x[1] == 'best'])}"
+    shipped_rows = len([x for x in at if x[1] == "shipped"])
+    lines = targets({"methods": {}, "cells": {}}, {}, {}, 6, 4.0, 0.01, result)
+    assert (
+        f"canaryd's shipped suite (where not the best mode) against {LT}: 0 ahead, {shipped_rows} tie"
+        in "\n".join(lines)
+    )
