@@ -34,6 +34,9 @@ in a column of its own:
   canaryd teacher-forced
                       six short raw prompts, each scored (vLLM prompt_logprobs) on the continuation the
                       baseline server gives greedily; calibrated and judged as canaryd is.
+  canaryd tracking    the shipped tracking suite (`canaries/tracking.toml`): LT's probe shape, one-character
+                      raw prompts, one token out, top-20 logprobs, no expected answer; calibrated and judged
+                      as canaryd is.
   canaryd reference: gap to reported logprobs
                       canaryd's greedy answers re-scored on the baseline server (`probe.reference`): each
                       answer's parting from the reference's own and the gap between the provider's reported
@@ -61,7 +64,9 @@ the exact regime; a SYNTHETIC noise shim adds mode-structured noise to every log
 calibrated servers give the logprob methods (canaryd's calibration, baselines and probes, chat and
 teacher-forced; the provider's logprobs in the reference-gap check, whose reference stays deterministic;
 LT's windows) and the tests are rerun under it. The shim never changes a token, so the text methods' and
-Token-DiFR's figures are the real ones. Every shim row is labelled.
+Token-DiFR's figures are the real ones. Every shim row is labelled. A TEXT-ONLY family reruns the methods
+that read text (canaryd's text basis, exact match, two-sample, MET kernel, Token-DiFR) on the same answers
+with their logprobs withheld (`detection_text`).
 
     flock /tmp/canaryd-vllm.lock .venv/bin/python bench/detection.py [--quick] [--alpha 0.01] [--json FILE]
         [--probes FILE]
