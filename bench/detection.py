@@ -8,6 +8,8 @@ uniform and would flatter every method), and then silently changed variants of i
   D1     the same weights served with --dtype bfloat16
   Q1     int8 weight round trip (`tinymodel.perturb_weights(mode="int8")`)
   Q2     4-bit round trip, groups of 32 (`mode="int4"`)
+  P<f>   magnitude pruning: the fraction f of each weight matrix's smallest weights set to 0 (LT's axes;
+         full mode only)
   G<s>   gaussian weight noise of s × each tensor's std, at several scales; the sub-argmax ones leave
          every greedy canary's text unchanged (each is labelled)
   F      the heterogeneous fleet: an f32 and a bf16 server of the same weights behind a random balancer,
@@ -32,6 +34,9 @@ in a column of its own:
   canaryd teacher-forced
                       six short raw prompts, each scored (vLLM prompt_logprobs) on the continuation the
                       baseline server gives greedily; calibrated and judged as canaryd is.
+  canaryd tracking    the shipped tracking suite (`canaries/tracking.toml`): LT's probe shape, one-character
+                      raw prompts, one token out, top-20 logprobs, no expected answer; calibrated and judged
+                      as canaryd is.
   canaryd reference: gap to reported logprobs
                       canaryd's greedy answers re-scored on the baseline server (`probe.reference`): each
                       answer's parting from the reference's own and the gap between the provider's reported
@@ -59,7 +64,9 @@ the exact regime; a SYNTHETIC noise shim adds mode-structured noise to every log
 calibrated servers give the logprob methods (canaryd's calibration, baselines and probes, chat and
 teacher-forced; the provider's logprobs in the reference-gap check, whose reference stays deterministic;
 LT's windows) and the tests are rerun under it. The shim never changes a token, so the text methods' and
-Token-DiFR's figures are the real ones. Every shim row is labelled.
+Token-DiFR's figures are the real ones. Every shim row is labelled. A TEXT-ONLY family reruns the methods
+that read text (canaryd's text basis, exact match, two-sample, MET kernel, Token-DiFR) on the same answers
+with their logprobs withheld (`detection_text`).
 
     flock /tmp/canaryd-vllm.lock .venv/bin/python bench/detection.py [--quick] [--alpha 0.01] [--json FILE]
         [--probes FILE]
@@ -100,6 +107,7 @@ from bench.detection_lab import (  # noqa: E402
     reference_checks,
     sampled,
     server,
+    tracking_canaries,
     trained_model,
 )
 from bench.detection_methods import (  # noqa: E402
@@ -108,6 +116,7 @@ from bench.detection_methods import (  # noqa: E402
     REQUESTS,
     Reference,
     alpha_rule,
+    permutations_for,
 )
 from bench.detection_peers import PEER_REQUESTS, PEERS, split  # noqa: E402
 from bench.detection_race import as_json, off_test_cost, per_method_table, race, race_table, tally  # noqa: E402
@@ -120,6 +129,7 @@ from bench.detection_report import (  # noqa: E402
     tokens_per_request,
 )
 from bench.detection_shim import shim_outcomes  # noqa: E402
+from bench.detection_text import TEXT_METHODS, text_only  # noqa: E402
 from canaryd import log  # noqa: E402
 from canaryd.config import CompareConfig  # noqa: E402
 from canaryd.judge.stats import fit  # noqa: E402
@@ -149,12 +159,15 @@ class Settings:
     lt_pool: int  # LT probes per server
     restarts: int  # N0 servers
     g_scales: tuple[float, ...]  # G: weight noise relative to each tensor's std
+    prune: tuple[float, ...]  # P: the fraction of each matrix's smallest weights pruned
     trials: int  # Monte-Carlo trials per variant × method (per server)
     null_trials: int  # shim trials on N0 (a false-alarm rate needs more)
     deployments: int  # shim: independent draws of mode offsets and calibration
     r_probes: tuple[int, ...]
     r_samples: tuple[int, ...]
     resamples: int  # bootstrap resamples of every interval
+    permutation_floor: int  # LT's and MET's permutations: at least this many, and enough for alpha
+    lt_max_n: int  # LT's equal-token windows beyond this many rows are not run
 
 
 FULL = Settings(
@@ -164,12 +177,15 @@ FULL = Settings(
     lt_pool=32,
     restarts=4,
     g_scales=(1e-2, 3e-3, 1e-3, 3e-4, 1e-4),
+    prune=(0.01, 0.03),
     trials=200,
     null_trials=1000,
     deployments=5,
     r_probes=(1, 2, 4, 8, 16),
     r_samples=(1, 2, 4, 8, 16, 32),
     resamples=1000,
+    permutation_floor=999,
+    lt_max_n=1200,
 )
 QUICK = replace(
     FULL,
@@ -178,22 +194,38 @@ QUICK = replace(
     lt_pool=16,
     restarts=2,
     g_scales=(3e-3, 3e-4),
+    prune=(),
     trials=50,
     null_trials=200,
     deployments=2,
     r_probes=(1, 2, 4, 8),
     r_samples=(1, 2, 4, 8, 16),
     resamples=500,
+    permutation_floor=0,  # 2/alpha − 1: 199 at alpha 0.01, still exact (p can fall to alpha/2)
+    lt_max_n=300,
 )
 
 
+def reductions(settings: Settings, alpha: float) -> str:
+    """What a run measures less than the full mode, each setting beside the full one's."""
+    full = asdict(FULL) | {"permutation_floor": permutations_for(alpha, FULL.permutation_floor)}
+    mine = asdict(settings) | {"permutation_floor": permutations_for(alpha, settings.permutation_floor)}
+    names = {"permutation_floor": "LT's and MET's permutations", "lt_max_n": "LT's largest window (rows)"}
+    return ", ".join(f"{names.get(k, k)} {v} (full: {full[k]})" for k, v in mine.items() if v != full[k])
+
+
 def analyse(
-    ref: Reference, servers: dict[str, list[Served]], settings: Settings, alpha: float, seed: int
+    ref: Reference,
+    servers: dict[str, list[Served]],
+    settings: Settings,
+    alpha: float,
+    seed: int,
+    methods: dict | None = None,
 ) -> Cells:
-    """Every method on every server, trials pooled over a variant's servers (N0: over the restarts); the
-    companion rows an outcome carries become rows of their own."""
+    """Every method (of ``methods``: all by default) on every server, trials pooled over a variant's servers
+    (N0: over the restarts); the companion rows an outcome carries become rows of their own."""
     cells: Cells = {}
-    for name, method in (METHODS | PEERS).items():
+    for name, method in (methods or METHODS | PEERS).items():
         for variant, served in servers.items():
             for i, s in enumerate(served):
                 rng = random.Random(f"{seed}-{name}-{variant}-{i}")
@@ -217,6 +249,7 @@ def serve_all(
         try:
             calibration = greedy_probes(reference, canaries, settings.k)
             forced = forced_canaries(reference)
+            tracking = tracking_canaries()
             ref = Reference(
                 canaries,
                 calibration,
@@ -227,6 +260,8 @@ def serve_all(
                 settings.k,
                 forced,
                 greedy_probes(reference, forced, settings.k),
+                tracking=tracking,
+                tracking_calibration=greedy_probes(reference, tracking, settings.k),
             )
             phases["baseline server"] = time.perf_counter() - t
             print(
@@ -240,10 +275,11 @@ def serve_all(
                 """Probe a server; ``deployed_here``: canaryd also calibrates on it (the fleet)."""
                 backend = backend_for(base_url)
                 try:
-                    s = collect(variant, backend, startup, canaries, forced, settings, rng)
+                    s = collect(variant, backend, startup, canaries, forced, tracking, settings, rng)
                     if deployed_here:
                         s.extra["calibration"] = greedy_probes(backend, canaries, settings.k)
                         s.extra["forced calibration"] = greedy_probes(backend, forced, settings.k)
+                        s.extra["tracking calibration"] = greedy_probes(backend, tracking, settings.k)
                     checks, scored = reference_checks(reference, canaries, s.greedy)
                     ref.checks.update(checks)
                     ref.scored.update(scored)
@@ -302,7 +338,7 @@ def main() -> None:
     ap.add_argument(
         "--quick",
         action="store_true",
-        help="fewer restarts, scales, samples and trials (about 9 min on 2 cores)",
+        help="fewer restarts, scales, samples, trials and permutations, LT windows up to 300 rows (printed)",
     )
     ap.add_argument("--alpha", type=float, default=0.01, help="per-test false-alarm rate of every method")
     ap.add_argument("--json", type=Path, help="also write every figure to this JSON file")
@@ -319,6 +355,8 @@ def main() -> None:
     if not 0 < args.alpha < 1:
         ap.error("--alpha must lie strictly between 0 and 1")
     settings = QUICK if args.quick else FULL
+    if args.quick:
+        print(f"quick mode, reduced: {reductions(settings, args.alpha)}", flush=True)
     log.configure("warning")
     t_start = time.perf_counter()
     phases: dict[str, float] = {}
@@ -327,15 +365,24 @@ def main() -> None:
     canaries = bench_canaries()
     t = time.perf_counter()
     model = trained_model(canaries)
-    weights = {
-        "Q1": perturb_weights(model, CACHE / "detection-trained-seed0-int8", mode="int8"),
-        "Q2": perturb_weights(model, CACHE / "detection-trained-seed0-int4", mode="int4"),
-    } | {
-        f"G{s:g}": perturb_weights(
-            model, CACHE / f"detection-trained-seed0-noise{s:g}", mode="noise", scale=s
-        )
-        for s in settings.g_scales
-    }
+    weights = (
+        {
+            "Q1": perturb_weights(model, CACHE / "detection-trained-seed0-int8", mode="int8"),
+            "Q2": perturb_weights(model, CACHE / "detection-trained-seed0-int4", mode="int4"),
+        }
+        | {
+            f"G{s:g}": perturb_weights(
+                model, CACHE / f"detection-trained-seed0-noise{s:g}", mode="noise", scale=s
+            )
+            for s in settings.g_scales
+        }
+        | {
+            f"P{f:g}": perturb_weights(
+                model, CACHE / f"detection-trained-seed0-prune{f:g}", mode="prune", scale=f
+            )
+            for f in settings.prune
+        }
+    )
     phases["build models"] = time.perf_counter() - t
 
     if args.probes and args.probes.exists():
@@ -365,7 +412,8 @@ def main() -> None:
     }
 
     # 4. the figures: real, then SYNTHETIC (one process per σ_mode: the servers are gone)
-    order = ["N0", "F", "FQ1", "D1", "Q1", "Q2", *(f"G{s:g}" for s in settings.g_scales)]
+    order = ["N0", "F", "FQ1", "D1", "Q1", "Q2", *(f"P{f:g}" for f in settings.prune)]
+    order += [f"G{s:g}" for s in settings.g_scales]
     ladder = [v for v in order if v not in ("N0", "F", "FQ1")]
     c = len(canaries)
     tokens = {name: tokens_per_request(name, servers["N0"][0]) for name in REQUESTS | PEER_REQUESTS}
@@ -375,6 +423,11 @@ def main() -> None:
     real = analyse(ref, servers, settings, args.alpha, args.seed)
     real_figs = figures(real, ladder, c, tokens)
     phases["real analysis"] = time.perf_counter() - t
+    t = time.perf_counter()
+    text = analyse(*text_only(ref, servers), settings, args.alpha, args.seed, TEXT_METHODS)
+    text_figs = figures(text, ladder, c, tokens)
+    text_race = race(text, ladder, c, tokens, args.seed, settings.resamples)
+    phases["text-only analysis"] = time.perf_counter() - t
     t = time.perf_counter()
     with ProcessPoolExecutor(max_workers=min(len(SHIM_LEVELS), os.cpu_count() or 1)) as pool:
         jobs = {
@@ -406,6 +459,8 @@ def main() -> None:
         f"alpha {args.alpha:g} per test; budget r = requests per canary/prompt, C·r = {c}·r requests "
         f"per test; {settings.trials} trials per server and budget; N0 over {len(servers['N0'])} restarts"
     )
+    if args.quick:
+        print(f"QUICK mode, reduced: {reductions(settings, args.alpha)}")
     print(
         f"canaryd knobs from alpha, for any test of up to {max(settings.r_probes)} cycles: min_out "
         f"{rule.min_out}, arl {rule.arl:g}"
@@ -432,6 +487,14 @@ def main() -> None:
     print(method_table(real_figs, rs))
     print()
     print_race("REAL", real_race, off, settings.r_probes)
+    print()
+    print(
+        "TEXT-ONLY provider (the same answers, logprobs withheld): canaryd on its text basis, exact match, "
+        "two-sample, MET kernel, Token-DiFR; LT, teacher-forced and the reference gap need logprobs"
+    )
+    print(power_table(text, text_figs, order, rs))
+    print()
+    print_race("TEXT-ONLY", text_race, None, settings.r_probes)
     print()
     real_targets = targets(real_figs, real, tokens, c, scored, args.alpha, real_race)
     print("targets (canaryd, REAL):")
@@ -477,8 +540,9 @@ def main() -> None:
             "tokens_per_request": tokens,
             "startup_s": {v: [s.startup_s for s in ss] for v, ss in servers.items()},
             "real": real_figs,
+            "text_only": text_figs,
             "targets": {"real": real_targets} | {f"synthetic {s}": x for s, x in shim_targets.items()},
-            "race": {"real": as_json(real_race)}
+            "race": {"real": as_json(real_race), "text-only": as_json(text_race)}
             | {f"synthetic {s}": as_json(x) for s, x in shim_race.items()},
             "off_test_cost": off,
             "synthetic": {

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 import statistics
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -54,8 +54,9 @@ class Served:
     lt_tokens: float
     startup_s: float
     forced_tokens: float = 0.0  # per teacher-forced request
-    # "forced": the forced canaries' probes; on the fleet also "calibration" and "forced calibration", the
-    # probes a canaryd deployed on the balancer calibrates from
+    tracking_tokens: float = 0.0  # per request of the shipped tracking suite
+    # "forced", "tracking": those canaries' probes; on the fleet also "calibration", "forced calibration"
+    # and "tracking calibration", the probes a canaryd deployed on the balancer calibrates from
     extra: dict[str, dict[str, list[Observation]]] = field(default_factory=dict)
 
 
@@ -70,6 +71,11 @@ def bench_canaries() -> list[Canary]:
 
 
 # LT's probe as its paper sends it: the one-character prompt "x", one output token, the top-20 logprobs
+def tracking_canaries() -> list[Canary]:
+    """The shipped tracking suite as a user runs it: LT's probe shape as canaryd canaries."""
+    return list(load_suite(REPO / "canaries" / "tracking.toml").canaries)
+
+
 LT_CANARY = Canary(
     id="lt-x", prompt="x", decoding=Decoding(max_tokens=1, top_logprobs=20, temperature=0.0), suite="bench"
 )
@@ -216,6 +222,7 @@ def collect(
     startup_s: float,
     canaries: Sequence[Canary],
     forced: Sequence[Canary],
+    tracking: Sequence[Canary],
     settings,
     rng: random.Random,
 ) -> Served:
@@ -223,6 +230,7 @@ def collect(
     samples = sampled(backend, canaries, settings.samples, rng)
     lt = lt_probes(backend, settings.lt_pool)
     scored = greedy_probes(backend, forced, settings.pool)
+    track = greedy_probes(backend, tracking, settings.pool)
     return Served(
         variant,
         greedy,
@@ -233,7 +241,8 @@ def collect(
         mean_tokens(lt),
         startup_s,
         mean_tokens([o for obs in scored.values() for o in obs]),
-        {"forced": scored},
+        mean_tokens([o for obs in track.values() for o in obs]),
+        {"forced": scored, "tracking": track},
     )
 
 
@@ -254,7 +263,7 @@ def composed(variant: str, fleet: Served, drop: str, joined: Served) -> Served:
         greedy=pools(fleet.greedy, joined.greedy),
         samples=pools(fleet.samples, joined.samples),
         lt=mix(fleet.lt, joined.lt),
-        extra=fleet.extra | {"forced": pools(fleet.extra["forced"], joined.extra["forced"])},
+        extra=fleet.extra | {k: pools(fleet.extra[k], joined.extra[k]) for k in ("forced", "tracking")},
     )
 
 
@@ -286,7 +295,8 @@ class Shim:
         weights = [self.rng.gammavariate(1.0, 1.0) for _ in range(SHIM_MODES)]
         return [w / sum(weights) for w in weights]
 
-    def __call__(self, obs: Observation, mix: Sequence[float]) -> Observation:
+    def _shifter(self, obs: Observation, mix: Sequence[float]) -> Callable[[int, str], float]:
+        """One probe's offsets: (position, token) → nats, from the mode its day's mix gives it."""
         mode = self.rng.choices(range(SHIM_MODES), weights=mix)[0]
         moved: dict[tuple[int, str], float] = {}
         model = self.model
@@ -302,6 +312,10 @@ class Shim:
                 moved[(pos, token)] = self.offsets[key] + self.rng.gauss(0.0, SHIM_JITTER * self.sigma)
             return moved[(pos, token)]
 
+        return shift
+
+    def __call__(self, obs: Observation, mix: Sequence[float]) -> Observation:
+        shift = self._shifter(obs, mix)
         # a logprob stays ≤ 0: a near-certain token's noise is one-sided
         tokens = [
             replace(
@@ -312,3 +326,8 @@ class Shim:
             for i, t in enumerate(obs.tokens)
         ]
         return replace(obs, tokens=tokens)
+
+    def first_top(self, obs: Observation, mix: Sequence[float]) -> dict[str, float]:
+        """The first token's top-k as ``self(obs, mix)`` moves it (an LT row), without the rest."""
+        shift = self._shifter(obs, mix)
+        return {x: min(0.0, v + shift(0, x)) for x, v in obs.tokens[0].top}

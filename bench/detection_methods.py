@@ -59,6 +59,9 @@ class Outcome:
 # canaryd's reference check, named for what it measures: the gap between the provider's reported logprobs
 # and the reference's scoring of the same answer (and an answer's parting from the reference's own)
 REFERENCE_ROW = "canaryd reference: gap to reported logprobs"
+TRACKING_ROW = "canaryd tracking"  # the shipped tracking suite, LT's probe shape as canaries
+SHIPPED = "canaryd"  # the shipped default suite's canaries
+OURS = (SHIPPED, "canaryd teacher-forced", TRACKING_ROW)  # canaryd's modes that compete on budget
 
 
 @dataclass
@@ -76,6 +79,8 @@ class Reference:
     k: int
     forced: list[Canary] = field(default_factory=list)
     forced_calibration: dict[str, list[Observation]] = field(default_factory=dict)
+    tracking: list[Canary] = field(default_factory=list)  # the shipped tracking suite
+    tracking_calibration: dict[str, list[Observation]] = field(default_factory=dict)
     checks: dict[tuple, Check] = field(default_factory=dict)  # `detection_lab.check_key` → its check
     # `detection_lab.check_key` → the reference's scoring of that answer's text
     scored: dict[tuple, tuple[TokenLogprob, ...]] = field(default_factory=dict)
@@ -84,9 +89,9 @@ class Reference:
 Method = Callable[[Reference, Served, object, float, random.Random], dict[int, list[Outcome]]]
 
 
-def permutations_for(level: float) -> int:
-    """Enough permutations that a p-value can fall to half the level."""
-    return max(999, math.ceil(2 / level) - 1)
+def permutations_for(level: float, floor: int = 999) -> int:
+    """Enough permutations that a p-value can fall to half the level, and at least ``floor``."""
+    return max(floor, math.ceil(2 / level) - 1)
 
 
 def draw(pool: Sequence, r: int, rng: random.Random) -> list:
@@ -181,6 +186,13 @@ def canaryd_forced(ref: Reference, served: Served, settings, alpha: float, rng: 
     answer) is scored by prompt_logprobs; calibrated and judged like any canary."""
     known = deployment(served.extra.get("forced calibration", ref.forced_calibration))
     return detector_method(ref.forced, known, served.extra["forced"], settings, alpha, rng)
+
+
+def canaryd_tracking(ref: Reference, served: Served, settings, alpha: float, rng: random.Random) -> dict:
+    """The shipped tracking suite (`canaries/tracking.toml`: LT's probe shape, one-token raw prompts, one
+    token out, top-20 logprobs, no expected answer); calibrated and judged like any canary."""
+    known = deployment(served.extra.get("tracking calibration", ref.tracking_calibration))
+    return detector_method(ref.tracking, known, served.extra["tracking"], settings, alpha, rng)
 
 
 Floors = dict[str, dict[str, float]]  # canary → configuration → the provider's noise floor (nats)
@@ -280,6 +292,7 @@ def two_sample_text(ref: Reference, served: Served, settings, alpha: float, rng:
 METHODS: dict[str, Method] = {
     "canaryd": canaryd_shipped,
     "canaryd teacher-forced": canaryd_forced,
+    TRACKING_ROW: canaryd_tracking,
     REFERENCE_ROW: canaryd_reference,
     "exact text match": exact_match,
     "two-sample text (T=1)": two_sample_text,
@@ -290,6 +303,7 @@ METHODS: dict[str, Method] = {
 REQUESTS = {
     "canaryd": ("greedy", "C·r"),
     "canaryd teacher-forced": ("forced", "C·r"),
+    TRACKING_ROW: ("tracking", "C·r"),
     REFERENCE_ROW: ("greedy", "C·r (+5·C·r on the reference)"),
     "exact text match": ("greedy", "C·r"),
     "two-sample text (T=1)": ("sample", "C·r (+C·r reference)"),

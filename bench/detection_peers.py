@@ -41,7 +41,6 @@ LT_PROD = "LT production rule (12σ/100/48, > 1.0)"
 DIFR = "Token-DiFR (T=0 greedy margin)"
 MET = "MET kernel, 6 short canaries (not MET's settings)"
 LT_PAPER_N = 10  # LT's paper: N = 10 requests per window
-LT_MAX_N = 1200  # equal-token windows beyond this many rows are not run (permutation cost)
 
 
 def lt_row(obs: Observation) -> dict[str, float]:
@@ -52,15 +51,16 @@ def lt_row(obs: Observation) -> dict[str, float]:
 def lt_windows(ref: Reference, settings) -> dict[float, int]:
     """LT's window sizes, keyed by r = N / C (requests per canary-equivalent, so the tables can set them
     beside the canaryd budgets): C·r for every request budget, its paper's N = 10, and the N whose tokens
-    equal a canaryd mode's test at each budget (tokens measured on the baseline server; up to LT_MAX_N)."""
+    equal a canaryd mode's test at each budget (tokens measured on the baseline server; up to
+    ``settings.lt_max_n`` rows)."""
     c = len(ref.canaries)
     sizes = {c * r for r in settings.r_probes} | {LT_PAPER_N}
     lt_tok = mean_tokens(ref.lt)
-    for probes in (ref.calibration, ref.forced_calibration):
+    for probes in (ref.calibration, ref.forced_calibration, ref.tracking_calibration):
         per = [o for obs in probes.values() for o in obs]
         if per and lt_tok > 0 and (tok := mean_tokens(per)) > 0:
             matched = (math.floor(c * r * tok / lt_tok) for r in settings.r_probes)
-            sizes |= {n for n in matched if 1 <= n <= LT_MAX_N}
+            sizes |= {n for n in matched if 1 <= n <= settings.lt_max_n}
     return {n / c: n for n in sorted(sizes)}
 
 
@@ -75,11 +75,12 @@ def lt_outcome(
     window2: list[dict[str, float]],
     history: Callable[[], Sequence[float]],
     alpha: float,
+    permutations: int,
     npr: np.random.Generator,
 ) -> Outcome:
     """One LT test and its companions. ``history`` is asked for only where the production rule could
     alarm (a statistic above LT_ABSOLUTE), so the honest history is drawn only where it matters."""
-    t = lt_test(window1, window2, permutations=permutations_for(alpha), rng=npr)
+    t = lt_test(window1, window2, permutations=permutations, rng=npr)
     prod = t.statistic > LT_ABSOLUTE and lt_production_alarm(history(), t.statistic)
     also = ((LT_P, Outcome(t.p_value <= alpha, -t.p_value)), (LT_PROD, Outcome(prod, t.statistic)))
     return Outcome(t.p_value <= alpha, t.statistic, also)
@@ -92,11 +93,12 @@ def lt_method(ref: Reference, served: Served, settings, alpha: float, rng: rando
     npr = np.random.default_rng(rng.getrandbits(63))
     pool = lt_reference(ref, served)
     w1 = [lt_row(o) for o in draw(pool, ref.k * len(ref.canaries), rng)]
+    b = permutations_for(alpha, settings.permutation_floor)
     out: dict[float, list[Outcome]] = {}
     for r, n in lt_windows(ref, settings).items():
         history = cache(partial(_history, w1, pool, n, rng))
         out[r] = [
-            lt_outcome(w1, [lt_row(o) for o in draw(served.lt, n, rng)], history, alpha, npr)
+            lt_outcome(w1, [lt_row(o) for o in draw(served.lt, n, rng)], history, alpha, b, npr)
             for _ in range(settings.trials)
         ]
     return out
@@ -163,7 +165,7 @@ def met_method(ref: Reference, served: Served, settings, alpha: float, rng: rand
     """MET's statistic at an equal request budget: r completions per prompt at T = 1 (C prompts, MAX_TOKENS
     tokens) against r from the baseline server, Hamming MMD² with within-prompt permutations. Score: −p."""
     npr = np.random.default_rng(rng.getrandbits(63))
-    b = permutations_for(alpha)
+    b = permutations_for(alpha, settings.permutation_floor)
     base = {cid: [CODES.of(o) for o in obs] for cid, obs in ref.samples.items()}
     cur = {cid: [CODES.of(o) for o in obs] for cid, obs in served.samples.items()}
     out: dict[int, list[Outcome]] = {}

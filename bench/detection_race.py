@@ -9,12 +9,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from bench.detection_methods import REFERENCE_ROW, Outcome
+from bench.detection_methods import OURS, REFERENCE_ROW, SHIPPED, TRACKING_ROW, Outcome
 from bench.detection_peers import DIFR, LT, LT_P, LT_PROD, MET
 from bench.intervals import Interval, auc_difference, auc_interval, clopper_pearson, verdict
 
 Cells = dict[tuple[str, str], dict[float, list[Outcome]]]
-OURS = ("canaryd", "canaryd teacher-forced")  # canaryd's modes that compete on budget
 # rows the race leaves out of its differences: canaryd's shipped knobs (the same mode), and LT's production
 # rule (LT's own trials and statistic, so LT's AUC: it differs in its decisions, which the per-method table
 # shows)
@@ -33,7 +32,7 @@ def off_test_cost(name: str, c: int, k: int, tokens: dict[str, float]) -> str:
     (a fresh reference sample, a reference's scoring)."""
     if name in ("canaryd", "canaryd (defaults: arl 10000)"):
         return f"calibration {k * c} req, {round(k * c * tokens['canaryd']):,} tok per deployment"
-    if name == "canaryd teacher-forced":
+    if name in ("canaryd teacher-forced", TRACKING_ROW):
         return f"calibration {k * c} req, {round(k * c * tokens[name]):,} tok per deployment"
     if name == REFERENCE_ROW:
         return "canaryd's calibration (the provider's floors) + C·r scorings on the reference per test"
@@ -70,8 +69,9 @@ def race(
     cells: Cells, ladder: Sequence[str], c: int, tokens: dict[str, float], seed: int, resamples: int
 ) -> dict:
     """Per method and budget: AUC with interval, power, false alarms with bounds; then at equal requests
-    and at equal tokens, each method against canaryd (each mode at equal requests, the best mode within
-    the budget at equal tokens), the difference with a paired interval and its verdict."""
+    and at equal tokens, each method against canaryd (each mode at equal requests; at equal tokens the
+    best mode within the budget, and the shipped default suite where it fits the budget and is not the
+    best), the difference with a paired interval and its verdict."""
     rng = np.random.default_rng(seed)
     names = list(dict.fromkeys(n for n, _ in cells))
     per: dict[str, dict[float, dict]] = {}
@@ -118,22 +118,25 @@ def race(
         ours = [(n, r) for n in OURS if n in per and (r := within(n)) is not None]
         if not ours:
             continue
-        best, rb = max(ours, key=lambda m: per[m[0]][m[1]]["auc"].value)
+        best = max(ours, key=lambda m: per[m[0]][m[1]]["auc"].value)
+        against = [("best", best)] + [("shipped", m) for m in ours if m[0] == SHIPPED and m != best]
         for name in names:
             if not raced(name) or (r := within(name)) is None:
                 continue
-            d = diff(best, rb, name, r)
-            tokens_rows.append(
-                {
-                    "tokens": budget,
-                    "ours": best,
-                    "ours_r": rb,
-                    "peer": name,
-                    "peer_r": r,
-                    "diff": d,
-                    "verdict": verdict(d, MARGIN),
-                }
-            )
+            for role, (mode, rm) in against:
+                d = diff(mode, rm, name, r)
+                tokens_rows.append(
+                    {
+                        "tokens": budget,
+                        "against": role,
+                        "ours": mode,
+                        "ours_r": rm,
+                        "peer": name,
+                        "peer_r": r,
+                        "diff": d,
+                        "verdict": verdict(d, MARGIN),
+                    }
+                )
     return {"per": per, "equal_requests": requests, "equal_tokens": tokens_rows}
 
 
@@ -174,21 +177,24 @@ def race_table(result: dict, equal: str) -> str:
             lines.append(f"| {x['r']:g} | {x['ours']} | {x['peer']} | {x['diff']:+} | {x['verdict']} |")
     else:
         lines = [
-            "| tokens ≤ | canaryd's best mode (r) | method (r) | AUC(canaryd) − AUC(method) [CI] | reads |",
+            "| tokens ≤ | canaryd's mode (r) | method (r) | AUC(canaryd) − AUC(method) [CI] | reads |",
             "|---|---|---|---|---|",
         ]
         for x in result["equal_tokens"]:
+            role = "best" if x["against"] == "best" else "shipped suite"
             lines.append(
-                f"| {x['tokens']:,} | {x['ours']} ({x['ours_r']:g}) | {x['peer']} ({x['peer_r']:.3g}) | "
-                f"{x['diff']:+} | {x['verdict']} |"
+                f"| {x['tokens']:,} | {role}: {x['ours']} ({x['ours_r']:g}) | {x['peer']} "
+                f"({x['peer_r']:.3g}) | {x['diff']:+} | {x['verdict']} |"
             )
     return "\n".join(lines)
 
 
 def tally(result: dict) -> str:
-    """How the race reads, by verdict, against each peer at equal tokens."""
+    """How the race reads, by verdict, against each peer at equal tokens (canaryd's best mode)."""
     out: dict[str, dict[str, int]] = {}
     for x in result["equal_tokens"]:
+        if x["against"] != "best":
+            continue
         out.setdefault(x["peer"], {}).setdefault(x["verdict"], 0)
         out[x["peer"]][x["verdict"]] += 1
     return "; ".join(

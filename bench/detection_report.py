@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from bench.detection_lab import Served
-from bench.detection_methods import REFERENCE_ROW, REQUESTS, Outcome
+from bench.detection_methods import OURS, REFERENCE_ROW, REQUESTS, Outcome
 from bench.detection_peers import DIFR, PEER_REQUESTS
 from bench.intervals import clopper_pearson, rate
 from bench.peers import roc_auc
@@ -23,7 +23,13 @@ def power(outcomes: Sequence[Outcome]) -> float:
 
 def tokens_per_request(name: str, s: Served) -> float:
     kind = (REQUESTS | PEER_REQUESTS).get(name, ("greedy", ""))[0]
-    return {"greedy": s.tokens, "sample": s.sample_tokens, "lt": s.lt_tokens, "forced": s.forced_tokens}[kind]
+    return {
+        "greedy": s.tokens,
+        "sample": s.sample_tokens,
+        "lt": s.lt_tokens,
+        "forced": s.forced_tokens,
+        "tracking": s.tracking_tokens,
+    }[kind]
 
 
 def figures(cells: Cells, ladder: Sequence[str], c: int, tokens: dict[str, float]) -> dict:
@@ -143,8 +149,7 @@ def targets(
     (Token-DiFR's unit); ``race``: `detection_race.race` of the same cells."""
     lines = []
     # the fleet is honest for canaryd's own modes; for the reference check its bf16 member is a true mismatch
-    honest = [("canaryd", "N0"), ("canaryd", "F"), ("canaryd teacher-forced", "N0")]
-    honest += [("canaryd teacher-forced", "F"), (REFERENCE_ROW, "N0")]
+    honest = [(name, v) for name in OURS for v in ("N0", "F")] + [(REFERENCE_ROW, "N0")]
     for name, variant in honest:
         by_r = cells.get((name, variant), {})
         if not by_r:
@@ -158,7 +163,7 @@ def targets(
             f"{'met' if met else 'NOT met'} (worst budget r = {worst_r:g}: {hits}/{n}, upper bound "
             f"{high:.4f}{'' if high < 2 * alpha else f'; 0 hits need ≥ {zero_hit_tests(alpha)} tests'})"
         )
-    for name in ("canaryd", "canaryd teacher-forced"):
+    for name in OURS:
         if name not in figs["methods"]:
             continue
         cheap = figs["methods"][name]["ladder_auc_within_token_target"]
@@ -170,16 +175,19 @@ def targets(
                 else f"not measurable (one request costs {tokens[name]:.0f} tokens)"
             )
         )
-    verdicts: dict[str, list[str]] = {}
+    verdicts: dict[tuple[str, str], list[str]] = {}
     for x in race["equal_tokens"]:
-        verdicts.setdefault(x["peer"], []).append(x["verdict"])
-    for peer, vs in verdicts.items():
+        verdicts.setdefault((x["against"], x["peer"]), []).append(x["verdict"])
+    for (against, peer), vs in verdicts.items():
         behind = vs.count("behind")
-        lines.append(
-            f"canaryd's best mode never behind {peer} by more than 0.01 at equal tokens (CI): "
-            f"{'met' if not behind else 'NOT met'} ({vs.count('ahead')} ahead, {vs.count('tie')} tie, "
-            f"{behind} behind of {len(vs)} budgets)"
-        )
+        counts = f"{vs.count('ahead')} ahead, {vs.count('tie')} tie, {behind} behind of {len(vs)} budgets"
+        if against == "best":
+            lines.append(
+                f"canaryd's best mode never behind {peer} by more than 0.01 at equal tokens (CI): "
+                f"{'met' if not behind else 'NOT met'} ({counts})"
+            )
+        else:  # no target of its own: where the shipped suite alone stands, behind included
+            lines.append(f"canaryd's shipped suite (where not the best mode) against {peer}: {counts}")
     for name in (DIFR, REFERENCE_ROW):
         for variant in ("Q2", "Q1"):
             cell = figs["cells"].get(f"{name} | {variant}")

@@ -14,6 +14,7 @@ from bench.detection_lab import SHIM_CAL_DAYS, Served, Shim
 from bench.detection_methods import (
     DEFAULT_RULE,
     REFERENCE_ROW,
+    TRACKING_ROW,
     Floors,
     Known,
     Outcome,
@@ -24,9 +25,10 @@ from bench.detection_methods import (
     draw,
     floors_of,
     judged,
+    permutations_for,
     reference_outcomes,
 )
-from bench.detection_peers import LT, lt_outcome, lt_reference, lt_row, lt_windows
+from bench.detection_peers import LT, lt_outcome, lt_reference, lt_windows
 from bench.peers import LT_HISTORY, lt_statistic
 from canaryd.backends.noise import Preset
 from canaryd.canaries import Canary
@@ -51,6 +53,12 @@ def _shim_modes(ref: Reference, served: Served) -> list[tuple[str, list[Canary],
             ref.forced,
             served.extra["forced"],
             served.extra.get("forced calibration", ref.forced_calibration),
+        ),
+        (
+            TRACKING_ROW,
+            ref.tracking,
+            served.extra["tracking"],
+            served.extra.get("tracking calibration", ref.tracking_calibration),
         ),
     ]
 
@@ -104,6 +112,7 @@ def shim_outcomes(
     shimmed calibration."""
     out: dict[tuple[str, str], dict[float, list[Outcome]]] = {}
     windows = lt_windows(ref, settings)
+    b = permutations_for(alpha, settings.permutation_floor)
 
     def add(name: str, variant: str, r: float, o: Outcome) -> None:
         out.setdefault((name, variant), {}).setdefault(r, []).append(o)
@@ -136,15 +145,15 @@ def shim_outcomes(
                 pool = lt_reference(ref, s)
                 if id(pool) not in lt_deployed:
                     cal = draw(pool, ref.k * len(ref.canaries), rng)
-                    w1 = [lt_row(shim(o, mixes[i % SHIM_CAL_DAYS])) for i, o in enumerate(cal)]
+                    w1 = [shim.first_top(o, mixes[i % SHIM_CAL_DAYS]) for i, o in enumerate(cal)]
                     lt_deployed[id(pool)] = (
                         w1,
                         {n: cache(partial(_lt_history, shim, w1, pool, n, rng)) for n in windows.values()},
                     )
                 w1, history = lt_deployed[id(pool)]
                 for r, n in windows.items():
-                    w2 = [lt_row(shim(o, mix)) for o in draw(s.lt, n, rng)]
-                    add(LT, variant, r, lt_outcome(w1, w2, history[n], alpha, npr))
+                    w2 = [shim.first_top(o, mix) for o in draw(s.lt, n, rng)]
+                    add(LT, variant, r, lt_outcome(w1, w2, history[n], alpha, b, npr))
     return out
 
 
@@ -154,5 +163,5 @@ def _lt_history(shim: Shim, w1: list, pool: list[Observation], n: int, rng: rand
     out = []
     for _ in range(LT_HISTORY):
         day = shim.day()
-        out.append(lt_statistic(w1, [lt_row(shim(o, day)) for o in draw(pool, n, rng)]))
+        out.append(lt_statistic(w1, [shim.first_top(o, day) for o in draw(pool, n, rng)]))
     return out

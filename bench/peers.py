@@ -64,24 +64,39 @@ def lt_matrix(rows: Sequence[Mapping[str, float]]) -> np.ndarray:
     """The rows aligned by token over their union, a missing token imputed with its row's minimum."""
     if not rows or any(not r for r in rows):
         raise ValueError("LT: every row needs at least one logprob")
-    union = list(dict.fromkeys(t for r in rows for t in r))
-    return np.array([[r.get(t, min(r.values())) for t in union] for r in rows], dtype=np.float64)
+    union: dict[str, int] = {}
+    for r in rows:
+        for t in r:
+            union.setdefault(t, len(union))
+    m = np.empty((len(rows), len(union)), dtype=np.float64)
+    for i, r in enumerate(rows):
+        m[i] = min(r.values())
+        m[i, [union[t] for t in r]] = list(r.values())
+    return m
 
 
-def _lt_stat(m: np.ndarray, first: np.ndarray) -> np.ndarray:
-    """LT's statistic for each boolean split in ``first`` (splits × rows): True rows form window 1."""
-    w = first.astype(np.float64)
-    n1 = w.sum(axis=1, keepdims=True)
-    mean1 = (w @ m) / n1
-    mean2 = ((1 - w) @ m) / (len(m) - n1)
+def _lt_stat(m: np.ndarray, sums1: np.ndarray, n1: int) -> np.ndarray:
+    """LT's statistic for each split given window 1's column sums (splits × tokens), window 1 of n1 rows
+    and window 2 the rest of ``m``'s rows."""
+    mean1 = sums1 / n1
+    mean2 = (m.sum(axis=0) - sums1) / (len(m) - n1)
     return np.abs(mean1 - mean2).mean(axis=1)
+
+
+def _lt_split_sums(m: np.ndarray, n1: int, permutations: int, rng: np.random.Generator) -> np.ndarray:
+    """Window 1's column sums under random relabellings of the rows. Only the smaller side's rows are
+    drawn (a relabelling is fixed by either side), so a long window costs little more than a short one."""
+    small = min(n1, len(m) - n1)
+    picked = np.argpartition(rng.random((permutations, len(m))), small - 1, axis=1)[:, :small]
+    sums = m[picked].sum(axis=1)
+    return sums if small == n1 else m.sum(axis=0) - sums
 
 
 def lt_statistic(window1: Sequence[Mapping[str, float]], window2: Sequence[Mapping[str, float]]) -> float:
     """Mean over the token union of |mean logprob in window 1 − mean logprob in window 2|."""
     m = lt_matrix([*window1, *window2])
-    first = np.arange(len(m)) < len(window1)
-    return float(_lt_stat(m, first[None, :])[0])
+    n1 = len(window1)
+    return float(_lt_stat(m, m[:n1].sum(axis=0, keepdims=True), n1)[0])
 
 
 def lt_test(
@@ -96,9 +111,8 @@ def lt_test(
         raise ValueError("LT: both windows need at least one row")
     m = lt_matrix([*window1, *window2])
     n1 = len(window1)
-    labels = np.arange(len(m)) < n1
-    observed = float(_lt_stat(m, labels[None, :])[0])
-    permuted = _lt_stat(m, rng.permuted(np.tile(labels, (permutations, 1)), axis=1))
+    observed = float(_lt_stat(m, m[:n1].sum(axis=0, keepdims=True), n1)[0])
+    permuted = _lt_stat(m, _lt_split_sums(m, n1, permutations, rng), n1)
     return PermutationTest(observed, _p_value(observed, permuted), permutations)
 
 

@@ -233,7 +233,7 @@ def _build(out_dir: Path, marker: Path, digest: str, seed: int, train: Train, st
     marker.write_text(json.dumps(info, indent=2))
 
 
-MODES = ("int8", "int4", "noise")
+MODES = ("int8", "int4", "noise", "prune")
 
 
 def perturb_weights(src: Path, dst: Path, *, mode: str, scale: float = 0.05, seed: int = 0) -> Path:
@@ -243,7 +243,8 @@ def perturb_weights(src: Path, dst: Path, *, mode: str, scale: float = 0.05, see
     like a careless quantised deployment.  ``int4``: symmetric 4-bit round trip
     in groups of 32 weights along each row (levels -7..7, one scale per group),
     the shape of the GPTQ/AWQ-style 4-bit builds providers serve.  ``noise``: add seeded gaussian noise
-    with std ``scale`` times each 2-D tensor's own std.  Tokenizer and config
+    with std ``scale`` times each 2-D tensor's own std.  ``prune``: magnitude pruning, the ``scale``
+    fraction of each 2-D tensor's smallest-magnitude weights set to 0.  Tokenizer and config
     are copied unchanged; the build marker is not, so ``dst`` is never
     mistaken for a cached clean build.  A marker of its own (the source's
     weight files and the recipe) makes a repeat call free, and one process
@@ -293,6 +294,12 @@ def _perturb(src: Path, dst: Path, mode: str, scale: float, seed: int) -> None:
                 x = (x / step).round().clamp(-127, 127) * step
             elif mode == "int4":
                 x = _round_trip_int4(x)
+            elif mode == "prune":
+                cut = int(scale * x.numel())
+                if cut:
+                    x = x.flatten().clone()
+                    x[x.abs().argsort()[:cut]] = 0.0
+                    x = x.reshape(w.shape)
             else:
                 x = x + torch.randn(x.shape, generator=gen) * (scale * x.std())
             tensors[name] = x.to(w.dtype).contiguous()

@@ -17,3 +17,21 @@ def test_int4_round_trip_has_at_most_15_levels_per_group_and_bounded_error():
             assert len(set(gy.tolist())) <= 15
             assert (gx - gy).abs().max() <= step / 2 + 1e-6
     assert not torch.equal(x, y)  # a round trip that changed nothing would test nothing
+
+
+def test_magnitude_pruning_zeroes_each_matrix_smallest_weights_and_nothing_else(tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    gen = torch.Generator().manual_seed(2)
+    src = tmp_path / "src"
+    src.mkdir()
+    w, norm = torch.randn(8, 50, generator=gen), torch.randn(50, generator=gen)
+    save_file({"w": w, "norm": norm}, src / "model.safetensors")
+    out = load_file(
+        tinymodel.perturb_weights(src, tmp_path / "out", mode="prune", scale=0.25) / "model.safetensors"
+    )
+    zeroed = out["w"] == 0
+    assert int(zeroed.sum()) == 100  # a quarter of 400
+    assert w.abs()[zeroed].max() <= w.abs()[~zeroed].min()  # the smallest magnitudes went
+    assert torch.equal(out["w"][~zeroed], w[~zeroed]) and torch.equal(out["norm"], norm)

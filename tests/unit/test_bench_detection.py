@@ -11,9 +11,19 @@ from datetime import UTC, datetime
 import pytest
 
 from bench.detection_lab import SHIM_MODES, Served, Shim, check_key, composed
-from bench.detection_methods import REFERENCE_ROW, Reference, canaryd_reference, deployment, judged
-from bench.detection_peers import DIFR, LT, LT_P, LT_PROD, difr_method, lt_method, lt_windows, split
+from bench.detection_methods import (
+    OURS,
+    REFERENCE_ROW,
+    TRACKING_ROW,
+    Reference,
+    canaryd_reference,
+    deployment,
+    detector_method,
+    judged,
+)
+from bench.detection_peers import DIFR, LT, LT_P, LT_PROD, MET, difr_method, lt_method, lt_windows, split
 from bench.detection_shim import shim_outcomes
+from bench.detection_text import TEXT_METHODS, text_only
 from canaryd.backends.noise import CAP, NoiseModel, Realistic
 from canaryd.canaries import Canary, Decoding
 from canaryd.judge.compare import Verdict
@@ -56,7 +66,8 @@ def test_a_probe_is_judged_by_its_own_configuration_and_a_new_one_by_the_first()
 
 
 def served(variant: str, pool: list[Observation]) -> Served:
-    return Served(variant, {"c": pool}, {"c": pool}, pool, 1.0, 1.0, 1.0, 0.0, 1.0, {"forced": {"c": pool}})
+    extra = {"forced": {"c": pool}, "tracking": {"c": pool}}
+    return Served(variant, {"c": pool}, {"c": pool}, pool, 1.0, 1.0, 1.0, 0.0, 1.0, 1.0, extra)
 
 
 def test_composed_replaces_one_member_in_every_pool():
@@ -65,7 +76,8 @@ def test_composed_replaces_one_member_in_every_pool():
     joined = served("Q1", [obs("f32", -0.6)] * 2)
     f32 = configuration_of({"response.system_fingerprint": "f32"})
     mixed = composed("FQ1", fleet, f32, joined)
-    for pool in (mixed.greedy["c"], mixed.samples["c"], mixed.lt, mixed.extra["forced"]["c"]):
+    pools = (mixed.greedy["c"], mixed.samples["c"], mixed.lt, mixed.extra["forced"]["c"])
+    for pool in (*pools, mixed.extra["tracking"]["c"]):
         assert sorted(o.tokens[0].logprob for o in pool) == [-0.7] * 3 + [-0.6] * 2
     assert mixed.extra["calibration"] is fleet.extra["calibration"]  # still deployed on the fleet
     assert fleet.greedy["c"][0].tokens[0].logprob == -0.5  # the fleet itself is untouched
@@ -75,6 +87,8 @@ def test_composed_replaces_one_member_in_every_pool():
 class Settings:
     r_probes: tuple[int, ...] = (1, 2)
     trials: int = 20
+    permutation_floor: int = 999
+    lt_max_n: int = 1200
 
 
 def test_the_reference_row_alarms_where_an_answer_parts_or_its_logprobs_move():
@@ -166,16 +180,21 @@ class ShimSettings:
     trials: int = 20
     null_trials: int = 40
     deployments: int = 2
+    permutation_floor: int = 999
+    lt_max_n: int = 1200
 
 
 @pytest.mark.parametrize("level", [0.003, "gpu-bf16"])
 def test_the_shim_moves_every_canaryd_mode_and_lt_alike(level):
-    """canaryd's three modes and LT get shimmed rows; an honest server gives no canaryd mode more than a
-    few alarms under the noise (the reference check: within the provider's noise floor), a shift far
-    beyond it is caught in every test: Gaussian modes, or the realistic model's bf16 paths."""
+    """canaryd's modes (shipped, teacher-forced, tracking), the reference check and LT get shimmed rows;
+    an honest server gives no canaryd mode more than a few alarms under the noise (the reference check:
+    within the provider's noise floor), a shift far beyond it is caught in every test: Gaussian modes, or
+    the realistic model's bf16 paths."""
     ids, forced_ids = [f"c{i}" for i in range(6)], [f"f{i}" for i in range(6)]
+    tracking_ids = [f"t{i}" for i in range(6)]
     canaries = [CANARY.model_copy(update={"id": i}) for i in ids]
     forced = [CANARY.model_copy(update={"id": i, "continuation": "5"}) for i in forced_ids]
+    tracking = [CANARY.model_copy(update={"id": i}) for i in tracking_ids]
 
     def pools(lp: float, names: list[str], n: int) -> dict[str, list[Observation]]:
         return {cid: [obs("f32", lp, canary=cid, n=4) for _ in range(n)] for cid in names}
@@ -192,11 +211,13 @@ def test_the_shim_moves_every_canaryd_mode_and_lt_alike(level):
             1.0,
             0.0,
             1.0,
-            {"forced": pools(lp, forced_ids, 8)},
+            1.0,
+            {"forced": pools(lp, forced_ids, 8), "tracking": pools(lp, tracking_ids, 8)},
         )
 
     ref = Reference(canaries, pools(-0.5, ids, 20), {}, {}, {}, pools(-0.5, ["c0"], 8)["c0"], 20)
     ref.forced, ref.forced_calibration = forced, pools(-0.5, forced_ids, 20)
+    ref.tracking, ref.tracking_calibration = tracking, pools(-0.5, tracking_ids, 20)
     # the reference (unshimmed) scores every answer's "5" at -0.5, and answers "5" itself
     same = Check(Divergence(0.0, 0.0, 1, logprob_gap=0.0), parting=0.0, noise=0.0, gap_noise=(0.0, 0.0))
     for lp in (-0.5, -1.5):
@@ -206,7 +227,7 @@ def test_the_shim_moves_every_canaryd_mode_and_lt_alike(level):
     servers = {"N0": [server("N0", -0.5)], "G": [server("G", -1.5)]}
     out = split(shim_outcomes(level, ref, servers, ShimSettings(), 0.01, 0))
     # the provider's shimmed logprobs lie off the reference's, within the floor its calibration shows
-    for name in ("canaryd", "canaryd teacher-forced", REFERENCE_ROW):
+    for name in (*OURS, REFERENCE_ROW):
         assert sum(len(x) for x in out[(name, "N0")].values()) == 2 * 40
         assert sum(o.reject for x in out[(name, "N0")].values() for o in x) <= 4  # α = 0.01 per test
         assert all(o.reject for o in out[(name, "G")][1])
@@ -232,3 +253,33 @@ def test_the_realistic_shim_moves_logprobs_by_its_paths_and_never_a_token():
     other = shim(base, [0.0, 1.0] + [0.0] * (SHIM_MODES - 2))
     d = [abs(x.logprob - y.logprob) for x, y in zip(a.tokens, other.tokens, strict=True)]
     assert 0 < sum(x > 0.1 for x in d) < 40 and max(d) <= 2 * CAP
+
+
+def test_a_text_only_provider_races_only_what_reads_text_and_canaryd_judges_its_text():
+    """Logprobs withheld: LT, the teacher-forced canaries and the reference gap sit out; canaryd, calibrated
+    on text-only probes, is quiet where only logprobs moved and alarms where a text moved."""
+    assert set(TEXT_METHODS) == {
+        "canaryd",
+        TRACKING_ROW,
+        "exact text match",
+        "two-sample text (T=1)",
+        DIFR,
+        MET,
+    }
+    ref = Reference([CANARY], {"c": [obs("f32", -0.5)] * 4}, {}, {}, {}, [], 4)
+    servers = {"N0": [served("N0", [obs("f32", -0.5)] * 4)], "Q1": [served("Q1", [obs("f32", -0.9)] * 4)]}
+    servers["Q2"] = [served("Q2", [obs("f32", -0.5, "6")] * 4)]
+    tref, tservers = text_only(ref, servers)
+    assert ref.calibration["c"][0].tokens and servers["Q1"][0].greedy["c"][0].tokens  # the run is untouched
+    for s in (tref.calibration["c"], *(x[0].greedy["c"] for x in tservers.values())):
+        assert all(not o.tokens and not o.has_logprobs for o in s)
+    known = deployment(tref.calibration)
+    out = {
+        v: detector_method([CANARY], known, tservers[v][0].greedy, Settings(), 0.01, random.Random(0))
+        for v in servers
+    }
+    for v in ("N0", "Q1"):  # only logprobs moved on Q1: the text basis cannot see it
+        assert not any(o.reject for x in out[v].values() for o in x)
+        assert {o.score for o in out[v][2]} == {(False, 0.5, 0)}
+    # one canary alone cannot alarm on one cycle at alpha 0.01 (its p-value ≥ 1/(K+1)); on two it does
+    assert all(o.reject and o.score[2] == 2 for o in out["Q2"][2])

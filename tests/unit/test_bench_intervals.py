@@ -8,9 +8,10 @@ import math
 import numpy as np
 import pytest
 
-from bench.detection_methods import Outcome
+from bench.detection_methods import TRACKING_ROW, Outcome
 from bench.detection_peers import LT
-from bench.detection_race import race
+from bench.detection_race import race, race_table, tally
+from bench.detection_report import targets
 from bench.intervals import Interval, auc_difference, auc_interval, clopper_pearson, rate, verdict
 from bench.peers import roc_auc
 
@@ -102,3 +103,37 @@ def test_the_race_sets_each_method_at_its_largest_budget_within_canaryds_tokens(
         (r, m) for r in (1, 2) for m in ("canaryd", "canaryd teacher-forced")
     }
     assert result["per"]["canaryd"][1]["false_alarms"]["N0"][:2] == (0, 40)
+
+
+def test_at_equal_tokens_each_peer_also_meets_the_shipped_suite_where_another_mode_is_best() -> None:
+    """canaryd's best mode within a budget races every peer; where that is not the shipped default suite,
+    the shipped suite (where it fits the budget) races it as well, on its own row."""
+    rng = np.random.default_rng(4)
+
+    def outcomes(perfect: bool, changed: bool, n: int = 40) -> list[Outcome]:
+        return [Outcome(False, float(changed) if perfect else float(rng.normal())) for _ in range(n)]
+
+    cells: dict = {}
+    for name, rs, perfect in (
+        ("canaryd", (1, 2), False),
+        (TRACKING_ROW, (1, 2, 49, 98), True),
+        (LT, (1, 2, 49, 98), False),
+    ):
+        for variant in ("N0", "Q1"):
+            cells[(name, variant)] = {r: outcomes(perfect, variant != "N0") for r in rs}
+    tokens = {"canaryd": 98.0, TRACKING_ROW: 2.0, LT: 2.0}
+    result = race(cells, ["Q1"], 6, tokens, seed=0, resamples=100)
+    at = {(x["tokens"], x["against"], x["peer"]): x for x in result["equal_tokens"]}
+    assert at[(12, "best", LT)]["ours"] == TRACKING_ROW and (12, "shipped", LT) not in at  # 588 tok: no fit
+    best, shipped = at[(588, "best", LT)], at[(588, "shipped", LT)]
+    assert (best["ours"], best["ours_r"], best["peer_r"]) == (TRACKING_ROW, 49, 49)
+    assert (shipped["ours"], shipped["ours_r"], shipped["peer_r"]) == ("canaryd", 1, 49)
+    assert best["verdict"] == "ahead" and shipped["verdict"] == "tie"  # both random there
+    assert "shipped suite: canaryd (1)" in race_table(result, "tokens")
+    assert tally(result) == f"{LT}: ahead {len([x for x in at if x[1] == 'best'])}"
+    shipped_rows = len([x for x in at if x[1] == "shipped"])
+    lines = targets({"methods": {}, "cells": {}}, {}, {}, 6, 4.0, 0.01, result)
+    assert (
+        f"canaryd's shipped suite (where not the best mode) against {LT}: 0 ahead, {shipped_rows} tie"
+        in "\n".join(lines)
+    )

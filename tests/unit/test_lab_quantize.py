@@ -7,5 +7,5 @@ from canaryd.lab import tinymodel
 
 
 def test_unknown_mode_names_the_modes(tmp_path):
-    with pytest.raises(ValueError, match="int8, int4, noise"):
+    with pytest.raises(ValueError, match="int8, int4, noise, prune"):
         tinymodel.perturb_weights(tmp_path, tmp_path / "out", mode="fp4")
