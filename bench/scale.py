@@ -1,17 +1,22 @@
-"""What one daemon carries: `canaryd run` on many vLLM-like backends whose answers take 200 ms.
+"""What one daemon carries, and what three share: `canaryd run` on many vLLM-like backends whose answers
+take 200 ms.
 
 A few loopback servers (asyncio, in child processes, so their CPU is not the daemon's) answer like vLLM:
 the documents of ``tests/harness/loopback.py`` (``GET …/models``, ``…/version``, ``…/metrics``), and every
 chat completion after ``--delay`` seconds. ``--backends`` backend entries (spread over ``--servers``
-servers) × ``--canaries`` canaries, one schedule every ``--interval`` seconds, SQLite, one real daemon
-process (`canaryd run`) with its default ``[daemon] max_in_flight`` unless ``--cap``. The script reads the
-daemon's ``/metrics`` each second and prints every pass (duration against the interval; an overrun says
-so, with the backends the daemon's warning named), then the daemon's RSS and CPU per probe over the
-passes after the first (the first takes baselines and first contact), next to a small config's (``--small``
-backends, same canaries and delay) measured the same way in the same run.
+servers) × ``--canaries`` canaries, one schedule every ``--interval`` seconds, real daemon processes
+(`canaryd run`) with their default ``[daemon] max_in_flight`` unless ``--cap``: a small config (``--small``
+backends, one daemon, SQLite), then the large one with each daemon count of ``--daemons`` (one on SQLite
+when ``--sqlite``; otherwise all on one real PostgreSQL database, sharing the backends). The script reads
+each daemon's ``/metrics`` each second and prints every pass (duration against the interval; an overrun
+says so, with the backends the daemon's warning named), then per daemon: its share of the weighted work,
+its RSS and its CPU per probe over the passes after the first (the first takes baselines and first
+contact, and a fleet's shares settle in it), side by side. The PostgreSQL rows share one database, so a
+later row starts with the first one's baselines (its daemons all start at once: the first claim takes every
+backend, and the others take their shares at its next pass).
 
-    .venv/bin/python bench/scale.py                 # 1,000 backends × 5 canaries at 60 s (about 6 min)
-    .venv/bin/python bench/scale.py --quick         # 200 backends, 3 passes at 20 s (about 2 min)
+    .venv/bin/python bench/scale.py                 # 1,000 backends × 5 canaries at 60 s, 1 and 3 daemons
+    .venv/bin/python bench/scale.py --quick         # 200 backends, 3 passes at 20 s
 """
 
 from __future__ import annotations
@@ -32,7 +37,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from sqlalchemy import create_engine, text  # noqa: E402
+
+from canaryd.store.leases import spacing  # noqa: E402
 from tests.harness.loopback import Loopback, chat_body  # noqa: E402
+from tests.harness.postgres import PostgresServer  # noqa: E402
 from tests.harness.scripted_lab import free_port  # noqa: E402
 
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -89,7 +98,14 @@ def servers(n: int, delay: float) -> tuple[list[subprocess.Popen], list[int]]:
 
 # -- one daemon -----------------------------------------------------------------------------------------
 def config(
-    work: Path, ports: list[int], backends: int, canaries: int, interval: int, cap: int | None
+    work: Path,
+    ports: list[int],
+    backends: int,
+    canaries: int,
+    interval: int,
+    cap: int | None,
+    url: str | None = None,
+    instance: str = "solo",
 ) -> Path:
     suite = '[suite]\nname = "scale"\n' + "".join(
         f'[[canary]]\nid = "c{i}"\nmessages = [{{ role = "user", content = "Say {i}." }}]\n'
@@ -101,10 +117,12 @@ def config(
         f'base_url = "http://127.0.0.1:{ports[i % len(ports)]}/v1"\nmodel = "m"\n'
         for i in range(backends)
     )
-    daemon = f'[daemon]\nlisten = "127.0.0.1:{free_port()}"\n' + (f"max_in_flight = {cap}\n" if cap else "")
-    path = work / "canaryd.toml"
+    daemon = f'[daemon]\nlisten = "127.0.0.1:{free_port()}"\ninstance = "{instance}"\n'
+    daemon += f"max_in_flight = {cap}\n" if cap else ""
+    storage = f'[storage]\nurl = "{url}"\n' if url else ""
+    path = work / f"{instance}.toml"
     path.write_text(
-        f'state_dir = "state"\nsuites = ["suite.toml"]\n{entries}{daemon}'
+        f'state_dir = "state-{instance}"\nsuites = ["suite.toml"]\n{entries}{daemon}{storage}'
         f'[[schedules]]\nname = "s"\nevery = "{interval}s"\n'
     )
     return path
@@ -127,75 +145,148 @@ def metric(text: str, name: str) -> float | None:
     return float(m.group(1)) if m else None
 
 
-def run(label: str, ports: list[int], backends: int, args: argparse.Namespace) -> dict:
-    """One daemon on ``backends`` backends for ``args.passes`` passes: each pass's figures, RSS, CPU."""
+def total(text: str, name: str) -> float:
+    """The sum of a metric's series."""
+    return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M))
+
+
+class Watched:
+    """One daemon process of a run, and what its ``/metrics`` said at the end of each of its passes."""
+
+    def __init__(self, work: Path, path: Path) -> None:
+        self.name = path.stem
+        self.listen = re.search(r'listen = "([^"]+)"', path.read_text()).group(1)  # type: ignore[union-attr]
+        self.log_path = work / f"{self.name}.log"
+        log = self.log_path.open("w")
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "canaryd", "-c", str(path), "run"],
+            cwd=work,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        log.close()
+        self.passes: list[dict] = []
+        self.last_done: float | None = None
+
+    def poll(self, interval: int) -> None:
+        """Record a pass that ended since the last call, and print it."""
+        if self.proc.poll() is not None:
+            raise SystemExit(f"{self.name} exited {self.proc.returncode}: see {self.log_path}")
+        try:
+            text = urllib.request.urlopen(f"http://{self.listen}/metrics", timeout=5).read().decode()
+        except OSError:
+            return
+        done = metric(text, "canaryd_schedule_last_run_timestamp_seconds")
+        if done is None or done == self.last_done:
+            return
+        self.last_done = done
+        cpu, rss = sample(self.proc.pid)
+        took = metric(text, "canaryd_schedule_last_pass_duration_seconds") or 0.0
+        overruns = metric(text, "canaryd_schedule_overruns_total") or 0.0
+        self.passes.append(
+            {
+                "duration_s": took,
+                "cpu_s": cpu,
+                "rss_mib": rss,
+                "overruns": overruns,
+                "probes": total(text, "canaryd_backend_probes_total"),
+                "share": metric(text, "canaryd_fleet_weight_share"),
+                "held": metric(text, "canaryd_fleet_backends_held"),
+            }
+        )
+        late = ""
+        if overruns > (self.passes[-2]["overruns"] if len(self.passes) > 1 else 0):
+            warnings = [
+                json.loads(line)
+                for line in self.log_path.read_text().splitlines()
+                if '"pass_overran"' in line
+            ]
+            w = warnings[-1] if warnings else {}
+            late = f"  OVERRUN: {w.get('late', '?')} late, e.g. {', '.join(w.get('backends', [])[:5])}"
+        share = self.passes[-1]["share"]
+        print(
+            f"  {self.name} pass {len(self.passes)}: {took:7.1f} s of {interval} s, RSS {rss:6.1f} MiB, "
+            f"CPU so far {cpu:6.1f} s" + (f", share {share:.1%}" if share is not None else "") + late,
+            flush=True,
+        )
+
+    def figures(self) -> dict:
+        passes = self.passes
+        steady = passes[1:] or passes
+        first = passes[0] if len(passes) > 1 else {"cpu_s": 0.0, "probes": 0.0}
+        probes = passes[-1]["probes"] - first["probes"]
+        return {
+            "daemon": self.name,
+            "overran": sum(
+                1 for i, p in enumerate(passes) if p["overruns"] > (passes[i - 1]["overruns"] if i else 0)
+            ),
+            "passes": len(passes),
+            "longest_s": max(p["duration_s"] for p in steady),
+            "rss_mib": passes[-1]["rss_mib"],
+            "rss_first_mib": passes[0]["rss_mib"],
+            "cpu_ms_per_probe": (passes[-1]["cpu_s"] - first["cpu_s"]) / max(probes, 1) * 1000,
+            "share": passes[-1]["share"],
+        }
+
+
+def run(
+    label: str,
+    ports: list[int],
+    backends: int,
+    args: argparse.Namespace,
+    daemons: int = 1,
+    url: str | None = None,
+) -> list[dict]:
+    """``daemons`` daemons (on the database ``url``; None: one on SQLite) on ``backends`` backends, until
+    each has done ``args.passes`` passes: each one's figures."""
     work = Path(tempfile.mkdtemp(prefix="canaryd-scale-"))
-    path = config(work, ports, backends, args.canaries, args.interval, args.cap)
-    listen = re.search(r'listen = "([^"]+)"', path.read_text()).group(1)  # type: ignore[union-attr]
-    log = (work / "daemon.log").open("w")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    daemon = subprocess.Popen(
-        [sys.executable, "-m", "canaryd", "-c", str(path), "run"],
-        cwd=work,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    names = ["solo"] if url is None else [f"d{i + 1}" for i in range(daemons)]
+    paths = [config(work, ports, backends, args.canaries, args.interval, args.cap, url, n) for n in names]
     print(
         f"\n{label}: {backends} backends x {args.canaries} canaries every {args.interval} s, "
-        f"{args.delay * 1000:.0f} ms per answer"
+        f"{args.delay * 1000:.0f} ms per answer, {len(names)} daemon(s) on "
+        + ("PostgreSQL" if url else "SQLite")
     )
-    passes, last_done, t0 = [], None, time.monotonic()
+    since = time.time()
+    watched = [Watched(work, p) for p in paths]
+    t0 = time.monotonic()
     try:
-        while len(passes) < args.passes:
+        while any(len(w.passes) < args.passes for w in watched):
             time.sleep(1)
-            if daemon.poll() is not None:
-                raise SystemExit(f"the daemon exited {daemon.returncode}: see {work / 'daemon.log'}")
-            try:
-                text = urllib.request.urlopen(f"http://{listen}/metrics", timeout=5).read().decode()
-            except OSError:
-                continue
-            done = metric(text, "canaryd_schedule_last_run_timestamp_seconds")
-            if done is None or done == last_done:
-                continue
-            last_done = done
-            cpu, rss = sample(daemon.pid)
-            took = metric(text, "canaryd_schedule_last_pass_duration_seconds") or 0.0
-            overruns = metric(text, "canaryd_schedule_overruns_total") or 0.0
-            passes.append({"duration_s": took, "cpu_s": cpu, "rss_mib": rss, "overruns": overruns})
-            late = ""
-            if overruns > (passes[-2]["overruns"] if len(passes) > 1 else 0):
-                warnings = [
-                    json.loads(line)
-                    for line in (work / "daemon.log").read_text().splitlines()
-                    if '"pass_overran"' in line
-                ]
-                w = warnings[-1] if warnings else {}
-                late = f"  OVERRUN: {w.get('late', '?')} late, e.g. {', '.join(w.get('backends', [])[:5])}"
-            print(
-                f"  pass {len(passes)}: {took:7.1f} s of {args.interval} s, RSS {rss:6.1f} MiB, "
-                f"CPU so far {cpu:6.1f} s{late}",
-                flush=True,
-            )
+            for w in watched:
+                w.poll(args.interval)
     finally:
-        daemon.send_signal(signal.SIGTERM)
-        daemon.wait(60)
-        log.close()
-    steady = passes[1:] or passes
-    probes = backends * args.canaries * len(steady)
-    cpu = passes[-1]["cpu_s"] - (passes[0]["cpu_s"] if len(passes) > 1 else 0.0)
-    return {
-        "label": label,
-        "backends": backends,
-        "overran": sum(
-            1 for i, p in enumerate(passes) if p["overruns"] > (passes[i - 1]["overruns"] if i else 0)
-        ),
-        "passes": len(passes),
-        "longest_s": max(p["duration_s"] for p in steady),
-        "rss_mib": passes[-1]["rss_mib"],
-        "cpu_ms_per_probe": cpu / probes * 1000,
-        "wall_s": time.monotonic() - t0,
-    }
+        for w in watched:
+            w.proc.send_signal(signal.SIGTERM)
+        for w in watched:
+            w.proc.wait(60)
+    wall = time.monotonic() - t0
+    close, gap = spacings(url, args.interval, since) if url else (None, None)
+    return [
+        dict(w.figures(), label=label, backends=backends, wall_s=wall, doubles=close, gap_s=gap)
+        for w in watched
+    ]
+
+
+def spacings(url: str, interval: float, since: float) -> tuple[int, float]:
+    """From the ``run`` table, since ``since`` (Unix time): how many times a backend was probed again sooner
+    than the lease allows (`canaryd.store.leases.spacing`), and the longest time between two probes of a
+    backend."""
+    engine = create_engine(url)
+    with engine.connect() as c:
+        sql = "SELECT backend, extract(epoch FROM started_at) FROM run ORDER BY started_at"
+        rows = [(b, t) for b, t in c.execute(text(sql)) if float(t) >= since]
+    engine.dispose()
+    last: dict[str, float] = {}
+    close, gap = 0, 0.0
+    for b, t in rows:
+        if b in last:
+            close += float(t) - last[b] < spacing(interval)
+            gap = max(gap, float(t) - last[b])
+        last[b] = float(t)
+    return close, gap
 
 
 def main() -> None:
@@ -208,6 +299,8 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=4, help="passes per daemon (the first takes baselines)")
     ap.add_argument("--small", type=int, default=10, help="backends of the small config beside it")
     ap.add_argument("--cap", type=int, help="[daemon] max_in_flight (default: the daemon's)")
+    ap.add_argument("--daemons", default="1,3", help="daemon counts of the large config, comma-separated")
+    ap.add_argument("--sqlite", action="store_true", help="a one-daemon large row on SQLite too")
     ap.add_argument("--quick", action="store_true", help="200 backends, 3 passes at 20 s")
     ap.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -216,21 +309,31 @@ def main() -> None:
     if args.quick:
         args.backends, args.passes, args.interval = 200, 3, 20
     procs, ports = servers(args.servers, args.delay)
+    results: list[dict] = []
     try:
-        results = [run("small", ports, args.small, args), run("large", ports, args.backends, args)]
+        if args.small:
+            results += run("small", ports, args.small, args)
+        if args.sqlite:
+            results += run("large", ports, args.backends, args)
+        with PostgresServer() as pg:  # one database: a later row starts with the baselines of the first
+            url = pg.create_database("scale")
+            for n in (int(n) for n in args.daemons.split(",")):
+                results += run(f"large x{n}", ports, args.backends, args, n, url)
     finally:
         for p in procs:
             p.kill()
-    print("\none daemon, side by side (CPU per probe over the passes after the first)")
+    print("\nside by side (CPU per probe over the passes after the first; RSS after the first pass -> last)")
     print(
-        f"{'config':<8}{'backends':>9}{'probes/pass':>12}{'overran':>10}{'longest pass':>14}"
-        f"{'RSS MiB':>9}{'CPU ms/probe':>14}"
+        f"{'config':<10}{'daemon':>7}{'backends':>9}{'probes/pass':>12}{'overran':>10}{'longest pass':>14}"
+        f"{'share':>8}{'RSS MiB':>16}{'CPU ms/probe':>14}{'doubles':>9}{'longest gap':>13}"
     )
     for r in results:
+        share = f"{r['share']:.1%}" if r["share"] is not None else "-"
         print(
-            f"{r['label']:<8}{r['backends']:>9}{r['backends'] * args.canaries:>12}"
-            f"{r['overran']:>6} of {r['passes']}{r['longest_s']:>12.1f} s{r['rss_mib']:>9.1f}"
-            f"{r['cpu_ms_per_probe']:>14.2f}"
+            f"{r['label']:<10}{r['daemon']:>7}{r['backends']:>9}{r['backends'] * args.canaries:>12}"
+            f"{r['overran']:>6} of {r['passes']}{r['longest_s']:>12.1f} s{share:>8}"
+            f"{r['rss_first_mib']:>8.1f} ->{r['rss_mib']:>6.1f}{r['cpu_ms_per_probe']:>14.2f}"
+            + (f"{r['doubles']:>9}{r['gap_s']:>11.1f} s" if r["doubles"] is not None else "")
         )
 
 

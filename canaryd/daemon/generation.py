@@ -20,7 +20,7 @@ from canaryd.errors import InputError
 from canaryd.probe.run import plan
 from canaryd.shares import weights
 from canaryd.store import lease_seconds
-from canaryd.store.leases import Plan
+from canaryd.store.leases import Plan, spacing
 
 
 @dataclass
@@ -34,6 +34,7 @@ class Generation:
     lead: dict[str, str]  # backend -> that schedule: the one a takeover pass runs
     gap_s: dict[str, float]  # backend -> the longest wait between two passes of that schedule
     interval_s: dict[str, float]  # schedule -> its interval
+    spacing_s: dict[str, float]  # schedule -> the least time between two probes of a backend it leads
     plan: Plan  # what the fleet's daemons share the backends by (`canaryd.shares`)
     active: int = 0
     retired: bool = False
@@ -71,7 +72,8 @@ class Generation:
         backends = {b.name: Guarded(make_backend(b, stopping, gate)) for b in config.backends}
         weight = weights({s: {b: len(cs) for b, cs in w.items()} for s, w in work.items()}, interval_s)
         shares = Plan(weight, {b: lease_s[b] - gap_s[b] for b in lease_s}, min(lease_s.values(), default=0.0))
-        return cls(config, backends, work, lease_s, lead, gap_s, interval_s, shares)
+        spacing_s = {sched.name: spacing(sched.interval_s, sched.jitter) for sched in config.schedules}
+        return cls(config, backends, work, lease_s, lead, gap_s, interval_s, spacing_s, shares)
 
     def work_pairs(self) -> dict[str, set[str]]:
         """Every backend with the ids of the canaries any schedule sends it."""

@@ -69,6 +69,7 @@ TAKEOVER_DELAY_S = 0.1
 # (`canaryd.store.leases`), so its pass is taken on time; a live holder's claim is refused, harmlessly.
 TAKEOVER_EARLY_S = 0.25
 TAKEOVER = "takeover:"  # the prefix of a takeover pass's job id
+PHASE = "phase:"  # ... and of a pass that keeps backends probed too soon by a regular one on their own phase
 
 
 def run_daemon(path: Path, stop: threading.Event) -> None:
@@ -113,6 +114,7 @@ class Daemon:
         self._taken: dict[str, float] = {}  # backend -> when (monotonic) a takeover pass probed it
         self._led: dict[str, float] = {}  # ... and a regular pass of its lead schedule
         self._busy: set[str] = set()  # backends a pass of this daemon is probing now
+        self._phased: set[str] = set()  # backends a phase pass of their own probes next (`_respace`)
         self._choosing = threading.Lock()
         self._in_flight = 0  # passes running, of any generation (what a stop waits for)
         self._idle = threading.Condition()
@@ -123,8 +125,9 @@ class Daemon:
         self.httpd = None
 
     # -- probing ------------------------------------------------------------------------------------
-    def _pass(self, schedule: str, takeover: tuple[str, ...] | None = None) -> None:
-        """A pass of the schedule: of the backends this daemon holds, or of those it takes over."""
+    def _pass(self, schedule: str, takeover: tuple[str, ...] | None = None, phase: bool = False) -> None:
+        """A pass of the schedule: of the backends this daemon holds, of those it takes over, or (``phase``)
+        of those a regular pass found probed too recently (`_respace`)."""
         gen = self.gen
         begun = time.monotonic()
         gen.acquire()
@@ -132,15 +135,25 @@ class Daemon:
         mine: set[str] = set()
         try:
             work = gen.work.get(schedule, {})
-            if takeover is None:
+            if takeover is None:  # not one a phase pass probes (nor claims: its lease follows that phase)
                 self.metrics.schedule_runs.labels(schedule).inc()
+                with self._choosing:
+                    work = {
+                        b: cs for b, cs in work.items() if b not in self._phased or gen.lead[b] != schedule
+                    }
+            elif phase:
+                work = {b: cs for b, cs in work.items() if b in takeover}
             else:  # not one a pass of this daemon took meanwhile: that pass's phase it is
                 me = self.store.lease_holder
                 work = {b: cs for b, cs in work.items() if b in takeover and self.tenure.holders.get(b) != me}
             held = self._claim(gen, list(work)) if work else set()
-            mine = self._choose(gen, schedule, held, takeover)
+            mine = self._choose(gen, schedule, held, None if phase else takeover)
             work = self._affordable(gen, schedule, {b: cs for b, cs in work.items() if b in mine})
-            work = self._still_held(work)
+            work, early = self._still_held(gen, schedule, work)
+            if early:
+                self._respace(gen, schedule, early)
+            if phase:
+                self._rephase(gen, schedule, set(takeover or ()) - set(work) - set(early), set(work), begun)
             started: dict[str, float] = {}
             finished: dict[str, float] = {}
             futures = {
@@ -163,9 +176,13 @@ class Daemon:
             self.metrics.publish()  # render the pass once; scrapes serve it until the next
             if takeover is None:
                 self.metrics.schedule_last.labels(schedule).set(time.time())
+            if takeover is None or phase:  # a phase pass carries a share of the schedule's work
                 self._overran(gen, schedule, begun, started, finished)
         except Exception:
             log.exception("pass_failed")
+            if phase:  # back to the regular passes
+                with self._choosing:
+                    self._phased -= set(takeover or ())
         finally:
             with self._choosing:
                 self._busy -= mine
@@ -176,18 +193,16 @@ class Daemon:
         self, gen: Generation, schedule: str, held: set[str], takeover: tuple[str, ...] | None
     ) -> set[str]:
         """Of the backends held, those this pass probes, decided under one lock: never one another pass
-        of this daemon is probing (a takeover pass and a regular one can start together), not the lead
-        schedule's regular pass of a backend a takeover probed less than half an interval ago, and not a
-        takeover of one that either probed that recently (two probes in a row say nothing more; the next
-        regular pass probes it)."""
+        of this daemon is probing (a takeover pass and a regular one can start together), and not a
+        takeover of one that either probed less than half an interval ago (two probes in a row say nothing
+        more; the next regular pass probes it). How soon after its last probe, whoever made it, a backend
+        may be probed again is the lease's to say (`_still_held`)."""
         now = time.monotonic()
         recent = now - gen.interval_s.get(schedule, 0.0) / 2
         with self._choosing:
             chosen = held - self._busy
             if takeover is None:
-                lead = {b for b in chosen if gen.lead.get(b) == schedule}
-                chosen -= {b for b in lead if self._taken.get(b, -math.inf) >= recent}
-                self._led.update(dict.fromkeys(lead & chosen, now))
+                self._led.update(dict.fromkeys({b for b in chosen if gen.lead.get(b) == schedule}, now))
             else:
                 last = {b: max(self._taken.get(b, -math.inf), self._led.get(b, -math.inf)) for b in chosen}
                 chosen = {b for b in chosen if last[b] < recent}
@@ -195,19 +210,50 @@ class Daemon:
             self._busy |= chosen
         return chosen
 
-    def _still_held(self, work: dict[str, list[Canary]]) -> dict[str, list[Canary]]:
+    def _still_held(
+        self, gen: Generation, schedule: str, work: dict[str, list[Canary]]
+    ) -> tuple[dict[str, list[Canary]], dict[str, float]]:
         """The backends still held as the pass sets out to probe them, marked so (`Store.start_probes`);
-        one taken meanwhile is skipped, and none if the database does not answer (as a failed claim)."""
+        one taken meanwhile is skipped, and none if the database does not answer (as a failed claim). One
+        whose last probe (by this daemon's takeover, or by its previous holder) is less than its spacing
+        ago is skipped too (returned with the seconds since), to be probed on that probe's phase
+        (`_respace`): never twice in one interval."""
         if not work:
-            return work
+            return work, {}
+        spacing = {b: gen.spacing_s[schedule] if gen.lead.get(b) == schedule else None for b in work}
         try:
-            kept = self.store.start_probes(work)
+            kept, early = self.store.start_probes(spacing)
         except Exception:
             log.exception("lease.claim_failed", backends=sorted(work))
-            return {}
-        for b in sorted(set(work) - kept):
+            return {}, {}
+        for b in sorted(set(work) - kept - set(early)):
             log.warning("lease.lost", backend=b, reason="taken before its probe")
-        return {b: cs for b, cs in work.items() if b in kept}
+        return {b: cs for b, cs in work.items() if b in kept}, early
+
+    def _respace(self, gen: Generation, schedule: str, early: dict[str, float]) -> None:
+        """Backends probed too recently for this pass (seconds since): each is probed an interval after
+        its last probe instead, by a pass of its own (`_rephase`), and so on every interval: the regular
+        passes neither claim nor probe it meanwhile (a takeover's phase is its previous holder's)."""
+        interval = gen.interval_s[schedule]
+        with self._choosing:
+            self._phased |= set(early)
+        groups: dict[float, list[str]] = {}
+        for b, age in early.items():  # age < spacing <= interval - its slack: the wait is positive
+            groups.setdefault(math.floor((interval - age) * 10) / 10, []).append(b)
+        for wait, group in groups.items():
+            log.debug("pass.respaced", schedule=schedule, backends=sorted(group), wait_s=wait)
+            self._later(PHASE, schedule, group, wait, phase=True)
+
+    def _rephase(
+        self, gen: Generation, schedule: str, dropped: set[str], probed: set[str], begun: float
+    ) -> None:
+        """After a phase pass: the backends it probed are probed an interval from its start by the next; one
+        it dropped (lost, over budget, a failed claim) goes back to the regular passes."""
+        with self._choosing:
+            self._phased -= dropped
+        if probed:
+            wait = max(gen.interval_s[schedule] - (time.monotonic() - begun), 0.0)
+            self._later(PHASE, schedule, sorted(probed), wait, phase=True)
 
     def _affordable(
         self, gen: Generation, schedule: str, work: dict[str, list[Canary]]
@@ -307,29 +353,32 @@ class Daemon:
             else:
                 wait = seconds + TAKEOVER_DELAY_S
             groups.setdefault((gen.lead[b], math.floor(wait * 10) / 10), []).append(b)
-        now = datetime.now(UTC)
         for (schedule, wait), group in groups.items():
-            job = TAKEOVER + schedule + ":" + ",".join(sorted(group))
-            self.scheduler.add_job(
-                self._job,
-                DateTrigger(now + timedelta(seconds=wait)),
-                args=[schedule, tuple(sorted(group))],
-                id=job,
-                name=job,
-                misfire_grace_time=None,
-                max_instances=2,  # the pass that set it may still be running when it is due
-                replace_existing=True,
-            )
+            self._later(TAKEOVER, schedule, group, wait)
         return held
 
-    def _job(self, schedule: str, takeover: tuple[str, ...] | None = None) -> None:
+    def _later(self, prefix: str, schedule: str, group: list[str], wait: float, phase: bool = False) -> None:
+        """A one-off pass of the schedule over the group's backends, in ``wait`` seconds."""
+        job = prefix + schedule + ":" + ",".join(sorted(group))
+        self.scheduler.add_job(
+            self._job,
+            DateTrigger(datetime.now(UTC) + timedelta(seconds=wait)),
+            args=[schedule, tuple(sorted(group)), phase],
+            id=job,
+            name=job,
+            misfire_grace_time=None,
+            max_instances=2,  # the pass that set it may still be running when it is due
+            replace_existing=True,
+        )
+
+    def _job(self, schedule: str, takeover: tuple[str, ...] | None = None, phase: bool = False) -> None:
         """A pass, counted so a stop knows what it waits for; none starts once stopping."""
         with self._idle:
             if self.stop_event.is_set():
                 return
             self._in_flight += 1
         try:
-            self._pass(schedule, takeover)
+            self._pass(schedule, takeover, phase)
         finally:
             with self._idle:
                 self._in_flight -= 1
@@ -347,7 +396,7 @@ class Daemon:
         return now
 
     def _missed(self, event: JobExecutionEvent) -> None:
-        if event.job_id.startswith(TAKEOVER):  # still running: the next claim sets another
+        if event.job_id.startswith((TAKEOVER, PHASE)):  # still running: the next claim sets another
             return
         self.metrics.schedule_missed.labels(event.job_id).inc()
         log.warning("pass_skipped", schedule=event.job_id, code=event.code)
@@ -355,6 +404,8 @@ class Daemon:
     def _install(self, gen: Generation) -> None:
         """Replace all jobs with the generation's schedules; interval schedules fire at once."""
         self.scheduler.remove_all_jobs()
+        with self._choosing:
+            self._phased.clear()  # their jobs are gone: the regular passes claim them again
         intervals = []
         for s in gen.config.schedules:
             self.metrics.schedule_overruns.labels(s.name)  # 0 from the start: an alert sees the first

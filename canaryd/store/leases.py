@@ -39,8 +39,11 @@ live daemons (presence showing, ``seen`` within their lease) and computes who pr
 this daemon but is held by another live one is taken from it at its holder's next pass (from `EARLY_S`
 before it is due: the holder probed it an interval ago, and does not probe it again, since its own claim
 then finds it taken): the handover needs no release, so it only happens once the new owner is live and
-asking, and no pass is missed or doubled. Any other backend is claimed as before (free, expired, or its
-holder's presence gone, at its next pass), so nothing waits for its owner to come. A daemon that stops
+asking, and no pass is missed or doubled. Whoever probes a backend, the next probe comes no sooner than its
+`spacing` after the last (``lease.probed``, `Leases.start_probes`): a new owner's regular pass, whose phase
+is not its previous holder's, skips it, and the daemon probes it on that phase instead. Any other backend
+is claimed as before (free, expired, or its holder's presence gone, at its next pass), so nothing waits for
+its owner to come. A daemon that stops
 deletes its row and marks its leases with its presence, which its store then closes: they are taken at its
 next passes, as a killed one's are; a killed one's row stays (not live) until pruned.
 """
@@ -67,6 +70,11 @@ GRACE_MAX_S = 30.0
 # A backend that hashes here is taken from a live holder this long before the holder's next pass is due
 # (a standby asks `TAKEOVER_EARLY_S` before it, `canaryd.daemon.service`).
 EARLY_S = 0.5
+# A backend is probed again no sooner than its lead schedule's interval, less the schedule's jitter and this
+# slack (this share of the interval, at least SPACING_MIN_S: a takeover's `EARLY_S`, and how much later one
+# pass than the next may set out after its claim), whoever probed it last (`Leases.start_probes`).
+SPACING = 0.05
+SPACING_MIN_S = 1.0
 # A dead daemon's row (presence gone, or not seen for this many of its leases) is deleted by the next claim.
 PRUNE_LEASES = 10
 
@@ -131,18 +139,30 @@ RETURNING backend
 # With a `Plan`, a gone holder's leases are `_TAKE`n at its next pass; without one (no grace known), at once.
 _CLAIM = text(_CLAIM_SQL.format(gone=""))
 _CLAIM_GONE = text(_CLAIM_SQL.format(gone=f" OR {_GONE}"))
-# Marks the rows locked first in the claimers' one order (no deadlock with a claim or a take).
+# Marks the rows locked first in the claimers' one order (no deadlock with a claim or a take), those of them
+# whose last probe (whoever made it) is at least their spacing ago; a row without a spacing is not marked.
 _PROBED = text("""
-UPDATE lease SET probed = now()
-FROM (SELECT backend FROM lease WHERE holder = :holder AND backend = ANY(CAST(:backends AS text[]))
-      ORDER BY backend FOR UPDATE) AS mine
-WHERE lease.backend = mine.backend
-RETURNING lease.backend
+WITH mine AS (
+  SELECT lease.backend, lease.probed, t.g FROM lease
+  JOIN unnest(CAST(:backends AS text[]), CAST(:spacing AS float8[])) AS t(b, g) ON lease.backend = t.b
+  WHERE lease.holder = :holder ORDER BY lease.backend FOR UPDATE OF lease),
+marked AS (
+  UPDATE lease SET probed = CASE WHEN mine.g IS NULL THEN lease.probed ELSE now() END FROM mine
+  WHERE lease.backend = mine.backend
+    AND (mine.g IS NULL OR mine.probed IS NULL OR mine.probed + make_interval(secs => mine.g) <= now())
+  RETURNING lease.backend)
+SELECT mine.backend, marked.backend IS NOT NULL, extract(epoch FROM now() - mine.probed)
+FROM mine LEFT JOIN marked ON marked.backend = mine.backend
 """)
 _HOLDERS = text(
     "SELECT backend, holder, extract(epoch FROM expires - now()) FROM lease "
     "WHERE backend = ANY(CAST(:backends AS text[]))"
 )
+
+
+def spacing(interval_s: float, jitter_s: float = 0.0) -> float:
+    """The least time between two probes of a backend whose lead schedule has this interval and jitter."""
+    return max(0.0, interval_s - jitter_s - max(SPACING * interval_s, SPACING_MIN_S))
 
 
 def lease_seconds(interval_s: float, jitter_s: float = 0.0) -> float:
@@ -236,15 +256,26 @@ class Leases(Connected):
                     leases[b] = Lease(holder, max(0.0, float(ends_in)))
         return {b: leases.get(b, Lease(None, 0.0)) for b in names}
 
-    def start_probes(self, backends: Iterable[str]) -> set[str]:
-        """Of the backends a pass claimed, those still this daemon's as it sets out to probe them, marked
-        probed (``lease.probed``, on the database's clock): a standby then takes a dead holder's backend
-        an interval after the holder last probed it, not sooner, and not later."""
+    def start_probes(self, spacing_s: Mapping[str, float | None]) -> tuple[set[str], dict[str, float]]:
+        """Of the backends a pass claimed (each with the least spacing from its last probe, `spacing`; None:
+        a pass of a schedule other than its lead, which neither checks nor marks it), those still this
+        daemon's as it sets out to probe them, marked probed (``lease.probed``, on the database's clock),
+        and those probed too recently, with the seconds since their last probe. A standby then takes a
+        dead holder's backend an interval after the holder last probed it, not sooner, and not later; and
+        a new holder never probes a backend its previous holder probed less than an interval ago."""
         if not self.leased:
-            return set(backends)
+            return set(spacing_s), {}
+        names = sorted(spacing_s)
+        params = {"holder": self.lease_holder, "backends": names, "spacing": [spacing_s[b] for b in names]}
+        kept: set[str] = set()
+        early: dict[str, float] = {}
         with self.engine.begin() as conn:
-            rows = conn.execute(_PROBED, {"holder": self.lease_holder, "backends": list(backends)})
-            return set(rows.scalars())
+            for b, marked, age in conn.execute(_PROBED, params):
+                if marked:
+                    kept.add(b)
+                else:
+                    early[b] = float(age)
+        return kept, early
 
     def _heartbeat(self, plan: Plan, presence: str | None) -> None:
         """Record this daemon as live (and prune the dead), in a transaction of its own: the claims of this

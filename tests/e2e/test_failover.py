@@ -159,3 +159,30 @@ def test_a_killed_holders_leases_end_with_its_presence_a_hung_ones_when_they_exp
     finally:
         a.close()
         b.close()
+
+
+def test_a_new_holder_never_probes_a_backend_within_its_spacing_of_the_last_probe(pg):
+    """The lease row's last probe, whoever made it, holds the next one back for the lead schedule's spacing;
+    a pass of another schedule neither waits for it nor moves it; only the holder marks it."""
+    url = pg.create_database("spacing")
+    a, b = Store(url, "a"), Store(url, "b")
+    try:
+        assert set(a.claim_leases({"x": 60, "y": 60})) == {"x", "y"}
+        assert a.start_probes({"x": 10.0, "y": None}) == ({"x", "y"}, {})  # y: another schedule's pass
+        assert b.start_probes({"x": 10.0}) == (set(), {})  # not b's
+        with a.engine.begin() as c:  # b takes both over (as a takeover or a handover does)
+            c.execute(text("UPDATE lease SET holder = :h"), {"h": b.lease_holder})
+        kept, early = b.start_probes({"x": 10.0, "y": 10.0})
+        assert kept == {"y"} and set(early) == {"x"} and 0 <= early["x"] < 5  # y: never marked
+        assert b.start_probes({"x": None}) == ({"x"}, {})  # another schedule's pass probes it
+        with a.engine.begin() as c:  # the refused attempt marked nothing: x's last probe ages
+            c.execute(text("UPDATE lease SET probed = probed - interval '9 seconds' WHERE backend = 'x'"))
+        kept, early = b.start_probes({"x": 10.0})
+        assert kept == set() and 9 <= early["x"] < 10
+        with a.engine.begin() as c:
+            c.execute(text("UPDATE lease SET probed = probed - interval '1 second' WHERE backend = 'x'"))
+        assert b.start_probes({"x": 10.0}) == ({"x"}, {})  # its spacing is up
+        assert b.start_probes({"x": 10.0, "y": 10.0})[1].keys() == {"x", "y"}  # both just probed
+    finally:
+        a.close()
+        b.close()

@@ -6,7 +6,8 @@ canaries × passes per hour: `canaryd.shares`), reported by `canaryd fleet` and 
 daemon that joins takes its share within an interval of its start; one killed with SIGKILL, then one
 stopped with SIGTERM, has its share taken over when its next pass was due. Throughout, no backend is
 probed twice in one interval (the ``run`` table: consecutive passes of a backend, whoever probed, are never
-closer than half an interval) and none goes longer than its lease without a pass.
+closer than the lease lets a probe follow another, `canaryd.store.leases.spacing`) and none goes longer
+than its lease without a pass.
 """
 
 from __future__ import annotations
@@ -232,7 +233,8 @@ def test_a_gone_holders_backends_are_taken_at_its_next_pass_never_sooner(pg):
     try:
         assert {x.holder for x in a.claim_leases({"b0": 3.0, "b1": 3.0}, plan).values()} == {a.lease_holder}
         assert {x.holder for x in c.claim_leases({"b2": 3.0, "b3": 3.0}, plan).values()} == {c.lease_holder}
-        assert a.start_probes(["b1"]) == {"b1"} and c.start_probes(["b2", "b3"]) == {"b2", "b3"}
+        assert a.start_probes({"b1": 1.0}) == ({"b1"}, {})
+        assert c.start_probes({"b2": 1.0, "b3": 1.0}) == ({"b2", "b3"}, {})
         with a.engine.begin() as conn:  # a: killed
             conn.execute(
                 text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = :n"),

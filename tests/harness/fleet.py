@@ -16,6 +16,7 @@ from pathlib import Path
 
 from sqlalchemy import create_engine, text
 
+from canaryd.store.leases import spacing
 from tests.harness.scripted_lab import PLAIN, free_port, scripted
 
 INTERVAL = 2.0  # seconds between one backend's passes (the fast schedule)
@@ -100,13 +101,19 @@ class Fleet:
         self.engine.dispose()
 
 
+# How much later than its lease's mark (`Store.start_probes`) a run may start: the pool's queue, the machine.
+RUN_SLACK_S = 0.25
+
+
 def doubles(runs: list[tuple[str, str, float]], interval: float) -> int:
-    """Passes of a backend closer than half an interval to its previous one: probed twice in one interval
-    (one daemon's own passes are an interval apart)."""
+    """Passes of a backend closer to its previous one than the lease lets a probe follow another
+    (`canaryd.store.leases.spacing`, less the `RUN_SLACK_S` of a run's start), at least half an interval:
+    probed twice in one interval (one daemon's own passes are an interval apart)."""
+    least = max(interval / 2, spacing(interval) - RUN_SLACK_S)
     last: dict[str, float] = {}
     n = 0
     for b, _, t in runs:
-        if b in last and t - last[b] < interval / 2:
+        if b in last and t - last[b] < least:
             n += 1
         last[b] = t
     return n

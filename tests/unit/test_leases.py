@@ -7,6 +7,8 @@ runs it with two real daemons.
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 import httpx2
 import pytest
 import structlog
@@ -174,3 +176,45 @@ def test_each_pass_logs_its_start_and_its_verdicts(tmp_path):
     assert done[0]["verdicts"] == {"baseline": len(IDS)} and done[1]["verdicts"] == {"identical": len(IDS)}
     assert all(e["duration_s"] >= 0 and "unavailable" not in e for e in done)
     assert not [e for e in logs if e["event"].startswith("lease.")]  # SQLite: no lease chatter
+
+
+def test_a_backend_probed_too_recently_is_probed_on_its_own_phase_instead(tmp_path):
+    """The lease says the backend was probed (by a takeover, or its previous holder) less than its spacing
+    ago: the regular pass leaves it, and a pass of its own probes it an interval after that probe. (The
+    check itself, on the lease row, runs on PostgreSQL in tests/e2e/test_failover.py.)"""
+    lab = ScriptedLab(tmp_path, scripted(), tail='[[schedules]]\nname = "fast"\nevery = "1h"\n')
+    lab.store.close()
+    d = Daemon(lab.path, lab.config)
+    honest, asked = d.store.start_probes, []
+
+    def probed_40s_ago(spacing):
+        asked.append(dict(spacing))
+        return set(), {"fake": 40.0}
+
+    try:
+        d.store.start_probes = probed_40s_ago
+        with structlog.testing.capture_logs() as logs:
+            d._job("fast")
+        assert asked == [{"fake": 3600 - 180}]  # an hour less 5 %: the slack of a takeover and a late pass
+        assert not [e for e in logs if e["event"] == "pass.start"]  # not probed
+        (job,) = d.scheduler.get_jobs()
+        assert job.id == "phase:fast:fake" and job.args == ("fast", ("fake",), True)
+        wait = (job.trigger.run_date - datetime.now(UTC)).total_seconds()
+        assert 3600 - 40 - 5 < wait <= 3600 - 40  # on the last probe's phase
+        (respaced,) = [e for e in logs if e["event"] == "pass.respaced"]
+        assert respaced["log_level"] == "debug" and respaced["backends"] == ["fake"]
+        d.store.start_probes = honest
+        with structlog.testing.capture_logs() as logs:
+            d._job(*job.args)
+        assert [e["event"] for e in logs if e["event"].startswith("pass.")] == ["pass.start", "pass.done"]
+        assert value(d, "canaryd_schedule_runs_total", schedule="fast") == 1  # only the regular pass
+        again = d.scheduler.get_jobs()[-1]  # the next on that phase, an interval on (not started: pending)
+        assert (
+            again.id == job.id
+            and 3600 - 5 < (again.trigger.run_date - datetime.now(UTC)).total_seconds() <= 3600
+        )
+        with structlog.testing.capture_logs() as logs:
+            d._job("fast")  # a regular pass leaves it to its phase
+        assert not [e for e in logs if e["event"] == "pass.start"]
+    finally:
+        d.stop()
