@@ -119,6 +119,8 @@ from bench.detection_methods import (  # noqa: E402
     permutations_for,
 )
 from bench.detection_peers import PEER_REQUESTS, PEERS, split  # noqa: E402
+from bench.detection_product import SUITES, deploy_suites, passes_of, trial_passes, vllm_block  # noqa: E402
+from bench.detection_product import table as product_table  # noqa: E402
 from bench.detection_race import as_json, off_test_cost, per_method_table, race, race_table, tally  # noqa: E402
 from bench.detection_report import (  # noqa: E402
     Cells,
@@ -168,6 +170,7 @@ class Settings:
     resamples: int  # bootstrap resamples of every interval
     permutation_floor: int  # LT's and MET's permutations: at least this many, and enough for alpha
     lt_max_n: int  # LT's equal-token windows beyond this many rows are not run
+    product_trials: int  # product path: `canaryd check` passes per server and shipped suite
 
 
 FULL = Settings(
@@ -186,6 +189,7 @@ FULL = Settings(
     resamples=1000,
     permutation_floor=999,
     lt_max_n=1200,
+    product_trials=40,
 )
 QUICK = replace(
     FULL,
@@ -203,6 +207,7 @@ QUICK = replace(
     resamples=500,
     permutation_floor=0,  # 2/alpha − 1: 199 at alpha 0.01, still exact (p can fall to alpha/2)
     lt_max_n=300,
+    product_trials=5,
 )
 
 
@@ -263,6 +268,9 @@ def serve_all(
                 tracking=tracking,
                 tracking_calibration=greedy_probes(reference, tracking, settings.k),
             )
+            # the product path: a canaryd per shipped suite deployed on the baseline server, as a user runs it
+            products = deploy_suites(logs / "product" / "baseline", vllm_block(srv.base_url))
+            print(f"product path, deployed on the baseline server: {passes_of(products)}", flush=True)
             phases["baseline server"] = time.perf_counter() - t
             print(
                 f"baseline: {len(canaries)} canaries, K={settings.k} probes each, regimes: "
@@ -280,6 +288,15 @@ def serve_all(
                         s.extra["calibration"] = greedy_probes(backend, canaries, settings.k)
                         s.extra["forced calibration"] = greedy_probes(backend, forced, settings.k)
                         s.extra["tracking calibration"] = greedy_probes(backend, tracking, settings.k)
+                    block = vllm_block(base_url)
+                    deps = products
+                    if deployed_here:  # a user deploys on the fleet through its balancer
+                        deps = deploy_suites(logs / "product" / variant, block)
+                        print(f"product path, deployed on {variant}: {passes_of(deps)}", flush=True)
+                    s.product = {
+                        suite: trial_passes(dep, block, settings.product_trials, logs / "product" / "work")
+                        for suite, dep in deps.items()
+                    }
                     checks, scored = reference_checks(reference, canaries, s.greedy)
                     ref.checks.update(checks)
                     ref.scored.update(scored)
@@ -318,6 +335,22 @@ def serve_all(
         finally:
             reference.close()
     return ref, servers, fleet_hits, phases
+
+
+def print_product(servers: dict[str, list[Served]], settings: Settings, quick: bool) -> dict:
+    """The product path's figures (printed): per variant and shipped suite, pooled over its servers."""
+    results = {
+        v: {suite: [p for s in ss for p in s.product.get(suite, [])] for suite in SUITES}
+        for v, ss in servers.items()
+        if any(s.product for s in ss)
+    }
+    print(
+        f"PRODUCT PATH ({'QUICK: ' if quick else ''}{settings.product_trials} `canaryd check` passes per "
+        "server and suite, each from a fresh copy of the deployed state; N0 pooled over its restarts; FQ1 "
+        "is composed, not served, so it has none): an alarm is exit code 1"
+    )
+    print(product_table(results, honest=("N0", "F")))
+    return {v: {suite: [asdict(p) for p in ps] for suite, ps in by.items()} for v, by in results.items()}
 
 
 def print_race(label: str, result: dict, off: dict[str, str] | None, rs) -> None:
@@ -420,6 +453,7 @@ def main() -> None:
     # the answer tokens a reference check scores per request (Token-DiFR counts these)
     scored = mean_completion_tokens([o for obs in servers["N0"][0].greedy.values() for o in obs])
     t = time.perf_counter()
+    product = print_product(servers, settings, args.quick)
     real = analyse(ref, servers, settings, args.alpha, args.seed)
     real_figs = figures(real, ladder, c, tokens)
     phases["real analysis"] = time.perf_counter() - t
@@ -545,6 +579,7 @@ def main() -> None:
             "race": {"real": as_json(real_race), "text-only": as_json(text_race)}
             | {f"synthetic {s}": as_json(x) for s, x in shim_race.items()},
             "off_test_cost": off,
+            "product_path": product,
             "synthetic": {
                 "modes": SHIM_MODES,
                 "jitter_share": SHIM_JITTER,

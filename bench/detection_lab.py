@@ -58,6 +58,8 @@ class Served:
     # "forced", "tracking": those canaries' probes; on the fleet also "calibration", "forced calibration"
     # and "tracking calibration", the probes a canaryd deployed on the balancer calibrates from
     extra: dict[str, dict[str, list[Observation]]] = field(default_factory=dict)
+    # suite → the product path's test passes on this server (`detection_product.Pass`)
+    product: dict[str, list] = field(default_factory=dict)
 
 
 def bench_canaries() -> list[Canary]:
@@ -141,9 +143,19 @@ def backend_for(base_url: str) -> Backend:
 
 @contextmanager
 def server(model: Path, dtype: str, logs: Path, name: str) -> Iterator[VLLMServer]:
+    # every server serves its weights under one path, as a provider swaps weights behind one name: the stack
+    # snapshot's models.root then names no variant (the product path's `check` reads it); a running server
+    # has loaded its weights, so relinking for the next one leaves it as it is
+    served = logs / "served-weights"
+    served.unlink(missing_ok=True)
+    served.symlink_to(model.resolve())
     # a long start-up allowance: one late start on a loaded machine would lose every server served before it
     with VLLMServer(
-        model, dtype=dtype, extra_args=["--enforce-eager"], log_path=logs / f"{name}.log", startup_timeout=900
+        served,
+        dtype=dtype,
+        extra_args=["--enforce-eager"],
+        log_path=logs / f"{name}.log",
+        startup_timeout=900,
     ) as srv:
         yield srv
 
