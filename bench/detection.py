@@ -10,6 +10,8 @@ uniform and would flatter every method), and then silently changed variants of i
   Q2     4-bit round trip, groups of 32 (`mode="int4"`)
   P<f>   magnitude pruning: the fraction f of each weight matrix's smallest weights set to 0 (LT's axes;
          full mode only)
+  FT<lr> one fine-tuning step: one AdamW step at learning rate lr on a small batch of raw completions
+         (`detection_lab.FINETUNE_BATCH`; LT's third axis; full mode only)
   G<s>   gaussian weight noise of s × each tensor's std, at several scales; the sub-argmax ones leave
          every greedy canary's text unchanged (each is labelled)
   F      the heterogeneous fleet: an f32 and a bf16 server of the same weights behind a random balancer,
@@ -18,7 +20,7 @@ uniform and would flatter every method), and then silently changed variants of i
   FQ1    F with its f32 member serving the int8 weights (composed from F's bf16 answers and Q1's): a
          change inside one configuration of the fleet
 
-The ladder (positives for the ROC AUC) is D1, Q1, Q2 and every G; the negatives are the N0 tests. The
+The ladder (positives for the ROC AUC) is D1, Q1, Q2, every P, FT and G; the negatives are the N0 tests. The
 baseline server stays up throughout as every variant's reference (the weights they all claim).
 
 Methods, each a test at the per-test false-alarm rate ``--alpha``: a budget r is r requests per canary or
@@ -93,6 +95,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.detection_lab import (  # noqa: E402
     CACHE,
+    FINETUNE_BATCH,
     SHIM_JITTER,
     SHIM_MODES,
     Served,
@@ -110,6 +113,7 @@ from bench.detection_lab import (  # noqa: E402
     tracking_canaries,
     trained_model,
 )
+from bench.detection_met import MET_ROW, completions, met_table, met_trials  # noqa: E402
 from bench.detection_methods import (  # noqa: E402
     DEFAULT_RULE,
     METHODS,
@@ -135,7 +139,7 @@ from bench.detection_text import TEXT_METHODS, text_only  # noqa: E402
 from canaryd import log  # noqa: E402
 from canaryd.config import CompareConfig  # noqa: E402
 from canaryd.judge.stats import fit  # noqa: E402
-from canaryd.lab.tinymodel import perturb_weights  # noqa: E402
+from canaryd.lab.tinymodel import finetune_step, perturb_weights  # noqa: E402
 from canaryd.stack import configuration_of  # noqa: E402
 from tests.harness.balancer import Balancer  # noqa: E402
 
@@ -162,6 +166,7 @@ class Settings:
     restarts: int  # N0 servers
     g_scales: tuple[float, ...]  # G: weight noise relative to each tensor's std
     prune: tuple[float, ...]  # P: the fraction of each matrix's smallest weights pruned
+    finetune: tuple[float, ...]  # FT: the learning rate of one AdamW step on `FINETUNE_BATCH`
     trials: int  # Monte-Carlo trials per variant × method (per server)
     null_trials: int  # shim trials on N0 (a false-alarm rate needs more)
     deployments: int  # shim: independent draws of mode offsets and calibration
@@ -171,6 +176,7 @@ class Settings:
     permutation_floor: int  # LT's and MET's permutations: at least this many, and enough for alpha
     lt_max_n: int  # LT's equal-token windows beyond this many rows are not run
     product_trials: int  # product path: `canaryd check` passes per server and shipped suite
+    met_pool: int  # MET at its settings: completions per prompt per server (a test draws 10 of them)
 
 
 FULL = Settings(
@@ -181,6 +187,7 @@ FULL = Settings(
     restarts=4,
     g_scales=(1e-2, 3e-3, 1e-3, 3e-4, 1e-4),
     prune=(0.01, 0.03),
+    finetune=(1e-4, 1e-5),
     trials=200,
     null_trials=1000,
     deployments=5,
@@ -190,6 +197,7 @@ FULL = Settings(
     permutation_floor=999,
     lt_max_n=1200,
     product_trials=40,
+    met_pool=40,
 )
 QUICK = replace(
     FULL,
@@ -199,6 +207,7 @@ QUICK = replace(
     restarts=2,
     g_scales=(3e-3, 3e-4),
     prune=(),
+    finetune=(),
     trials=50,
     null_trials=200,
     deployments=2,
@@ -208,6 +217,7 @@ QUICK = replace(
     permutation_floor=0,  # 2/alpha − 1: 199 at alpha 0.01, still exact (p can fall to alpha/2)
     lt_max_n=300,
     product_trials=5,
+    met_pool=12,
 )
 
 
@@ -269,6 +279,7 @@ def serve_all(
                 tracking_calibration=greedy_probes(reference, tracking, settings.k),
             )
             # the product path: a canaryd per shipped suite deployed on the baseline server, as a user runs it
+            ref.met = completions(srv.base_url, settings.met_pool, rng)
             products = deploy_suites(logs / "product" / "baseline", vllm_block(srv.base_url))
             print(f"product path, deployed on the baseline server: {passes_of(products)}", flush=True)
             phases["baseline server"] = time.perf_counter() - t
@@ -297,6 +308,7 @@ def serve_all(
                         suite: trial_passes(dep, block, settings.product_trials, logs / "product" / "work")
                         for suite, dep in deps.items()
                     }
+                    s.met = completions(base_url, settings.met_pool, rng)
                     checks, scored = reference_checks(reference, canaries, s.greedy)
                     ref.checks.update(checks)
                     ref.scored.update(scored)
@@ -351,6 +363,26 @@ def print_product(servers: dict[str, list[Served]], settings: Settings, quick: b
     )
     print(product_table(results, honest=("N0", "F")))
     return {v: {suite: [asdict(p) for p in ps] for suite, ps in by.items()} for v, by in results.items()}
+
+
+def print_met(
+    ref: Reference, servers: dict[str, list[Served]], ladder: list[str], settings: Settings, args
+) -> dict:
+    """MET at its paper's settings (printed): its trials per served variant (FQ1 is composed: none)."""
+    rng = random.Random(f"{args.seed}-met")
+    b = permutations_for(args.alpha, settings.permutation_floor)
+    results = {
+        v: [x for s in ss for x in met_trials(ref.met, s.met, settings.trials, args.alpha, b, rng)]
+        for v, ss in servers.items()
+        if all(s.met for s in ss)
+    }
+    print(
+        f"{MET_ROW}: {settings.trials} trials per server, {b} permutations, each trial 10 of the "
+        f"{settings.met_pool} completions per prompt a server gave; ignore_eos and min_tokens = 50"
+        + (" (QUICK: a pool of 12 per prompt, so trials overlap)" if args.quick else "")
+    )
+    print("\n".join(met_table(results, ladder, args.seed, settings.resamples)))
+    return {v: [[a, p] for a, p in xs] for v, xs in results.items()}
 
 
 def print_race(label: str, result: dict, off: dict[str, str] | None, rs) -> None:
@@ -415,6 +447,12 @@ def main() -> None:
             )
             for f in settings.prune
         }
+        | {
+            f"FT{lr:g}": finetune_step(
+                model, CACHE / f"detection-trained-seed0-finetune{lr:g}", train=FINETUNE_BATCH, lr=lr
+            )
+            for lr in settings.finetune
+        }
     )
     phases["build models"] = time.perf_counter() - t
 
@@ -446,14 +484,18 @@ def main() -> None:
 
     # 4. the figures: real, then SYNTHETIC (one process per σ_mode: the servers are gone)
     order = ["N0", "F", "FQ1", "D1", "Q1", "Q2", *(f"P{f:g}" for f in settings.prune)]
+    order += [f"FT{lr:g}" for lr in settings.finetune]
     order += [f"G{s:g}" for s in settings.g_scales]
     ladder = [v for v in order if v not in ("N0", "F", "FQ1")]
     c = len(canaries)
     tokens = {name: tokens_per_request(name, servers["N0"][0]) for name in REQUESTS | PEER_REQUESTS}
     # the answer tokens a reference check scores per request (Token-DiFR counts these)
     scored = mean_completion_tokens([o for obs in servers["N0"][0].greedy.values() for o in obs])
-    t = time.perf_counter()
     product = print_product(servers, settings, args.quick)
+    t = time.perf_counter()
+    met = print_met(ref, servers, ladder, settings, args)
+    phases["MET at its settings"] = time.perf_counter() - t
+    t = time.perf_counter()
     real = analyse(ref, servers, settings, args.alpha, args.seed)
     real_figs = figures(real, ladder, c, tokens)
     phases["real analysis"] = time.perf_counter() - t
@@ -580,6 +622,7 @@ def main() -> None:
             | {f"synthetic {s}": as_json(x) for s, x in shim_race.items()},
             "off_test_cost": off,
             "product_path": product,
+            "met_paper_settings": met,
             "synthetic": {
                 "modes": SHIM_MODES,
                 "jitter_share": SHIM_JITTER,

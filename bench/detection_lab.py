@@ -60,6 +60,7 @@ class Served:
     extra: dict[str, dict[str, list[Observation]]] = field(default_factory=dict)
     # suite → the product path's test passes on this server (`detection_product.Pass`)
     product: dict[str, list] = field(default_factory=dict)
+    met: dict[str, list[tuple[str, ...]]] = field(default_factory=dict)  # `detection_met.completions`
 
 
 def bench_canaries() -> list[Canary]:
@@ -127,6 +128,20 @@ def reference_checks(
     if bad:
         raise SystemExit(f"detection bench: {len(bad)} reference check(s) failed, e.g. {bad[0]}")
     return {k: c for k, (c, _) in done.items()}, {k: tuple(s.tokens) for k, (_, s) in done.items()}
+
+
+# FT<lr>: one fine-tuning step (`tinymodel.finetune_step`) on this small batch of raw completions, none of
+# them a canary's prompt: a provider's update on data of its own
+FINETUNE_BATCH = (
+    ("Once upon a time", " there was a small red fox."),
+    ("The weather today is", " cold and wet."),
+    ("My favourite food is", " bread with cheese."),
+    ("The river flows", " to the sea."),
+    ("Every morning she", " walks to the market."),
+    ("The letter said", " come home soon."),
+    ("The children played", " in the garden."),
+    ("A good friend is", " always there."),
+)
 
 
 def trained_model(canaries: Sequence[Canary]) -> Path:
@@ -276,6 +291,8 @@ def composed(variant: str, fleet: Served, drop: str, joined: Served) -> Served:
         samples=pools(fleet.samples, joined.samples),
         lt=mix(fleet.lt, joined.lt),
         extra=fleet.extra | {k: pools(fleet.extra[k], joined.extra[k]) for k in ("forced", "tracking")},
+        product={},  # `check` passes and MET's completions need a server: a composed fleet has none
+        met={},
     )
 
 
