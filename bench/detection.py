@@ -57,6 +57,12 @@ in a column of its own:
                       the mean over a test's tokens against the largest of the honest calibration answers'.
   MET kernel          MET's statistic on the six short canaries (r completions per prompt at T = 1, 12
                       tokens): not MET's settings (25 open-ended prompts × 10, ≥ 50 tokens), named so.
+  MET at its settings MET as its paper runs it (`detection_met`): 25 open-ended prompts × 10 completions of
+                      50 tokens (ignore_eos) at T = 1 a side; a table of its own (its test is one budget).
+  canaryd check       the product path (`detection_product`): `canaryd check` as a user runs it, one
+                      deployment per shipped suite learned on the baseline server (the fleet: through its
+                      balancer), each test one pass from a copy of that state against the tested server;
+                      an alarm is exit code 1, whatever raised it (stack snapshot, configurations, judge).
 
 Figures: power at alpha per variant and budget (on N0 and F: false alarms with Clopper–Pearson bounds), the
 ROC AUC of each method's scores over the ladder against N0 with a bootstrap 95% interval, each method's AUC

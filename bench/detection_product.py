@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -109,10 +110,11 @@ def passes_of(deps: dict[str, Deployment]) -> str:
 def trial_passes(dep: Deployment, backend: str, trials: int, work: Path) -> list[Pass]:
     """``trials`` tests: each one `check` pass from a fresh copy of the deployed state, on ``backend``."""
     out = []
-    for i in range(trials):
-        root = work / f"t{i}"
-        if root.exists():
-            shutil.rmtree(root)
+    work.mkdir(parents=True, exist_ok=True)
+    for _ in range(trials):
+        # a path never used before: canaryd keeps what it read of a database by its address, so a copy
+        # replacing another at the same path would look like a database pruned under it
+        root = Path(tempfile.mkdtemp(prefix="trial-", dir=work))
         shutil.copytree(dep.root / "state", root / "state")
         out.append(one_pass(write_config(root, backend, dep.suites)))
         shutil.rmtree(root)
@@ -148,7 +150,6 @@ def main() -> None:
     deployments), honest restarts, the fleet behind a random balancer (its own deployments), and D1, Q1 and
     the sub-argmax G3e-4 for power."""
     import argparse
-    import tempfile
 
     from bench.detection_lab import CACHE, bench_canaries, server, trained_model
     from canaryd import log
