@@ -284,8 +284,8 @@ def serve_all(
                 tracking=tracking,
                 tracking_calibration=greedy_probes(reference, tracking, settings.k),
             )
+            ref.met = completions(srv.base_url, settings.met_pool, rng)  # MET's reference completions
             # the product path: a canaryd per shipped suite deployed on the baseline server, as a user runs it
-            ref.met = completions(srv.base_url, settings.met_pool, rng)
             products = deploy_suites(logs / "product" / "baseline", vllm_block(srv.base_url))
             print(f"product path, deployed on the baseline server: {passes_of(products)}", flush=True)
             phases["baseline server"] = time.perf_counter() - t
