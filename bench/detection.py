@@ -10,6 +10,8 @@ uniform and would flatter every method), and then silently changed variants of i
   Q2     4-bit round trip, groups of 32 (`mode="int4"`)
   P<f>   magnitude pruning: the fraction f of each weight matrix's smallest weights set to 0 (LT's axes;
          full mode only)
+  FT<lr> one fine-tuning step: one AdamW step at learning rate lr on a small batch of raw completions
+         (`detection_lab.FINETUNE_BATCH`; LT's third axis; full mode only)
   G<s>   gaussian weight noise of s × each tensor's std, at several scales; the sub-argmax ones leave
          every greedy canary's text unchanged (each is labelled)
   F      the heterogeneous fleet: an f32 and a bf16 server of the same weights behind a random balancer,
@@ -18,7 +20,7 @@ uniform and would flatter every method), and then silently changed variants of i
   FQ1    F with its f32 member serving the int8 weights (composed from F's bf16 answers and Q1's): a
          change inside one configuration of the fleet
 
-The ladder (positives for the ROC AUC) is D1, Q1, Q2 and every G; the negatives are the N0 tests. The
+The ladder (positives for the ROC AUC) is D1, Q1, Q2, every P, FT and G; the negatives are the N0 tests. The
 baseline server stays up throughout as every variant's reference (the weights they all claim).
 
 Methods, each a test at the per-test false-alarm rate ``--alpha``: a budget r is r requests per canary or
@@ -55,6 +57,12 @@ in a column of its own:
                       the mean over a test's tokens against the largest of the honest calibration answers'.
   MET kernel          MET's statistic on the six short canaries (r completions per prompt at T = 1, 12
                       tokens): not MET's settings (25 open-ended prompts × 10, ≥ 50 tokens), named so.
+  MET at its settings MET as its paper runs it (`detection_met`): 25 open-ended prompts × 10 completions of
+                      50 tokens (ignore_eos) at T = 1 a side; a table of its own (its test is one budget).
+  canaryd check       the product path (`detection_product`): `canaryd check` as a user runs it, one
+                      deployment per shipped suite learned on the baseline server (the fleet: through its
+                      balancer), each test one pass from a copy of that state against the tested server;
+                      an alarm is exit code 1, whatever raised it (stack snapshot, configurations, judge).
 
 Figures: power at alpha per variant and budget (on N0 and F: false alarms with Clopper–Pearson bounds), the
 ROC AUC of each method's scores over the ladder against N0 with a bootstrap 95% interval, each method's AUC
@@ -93,6 +101,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.detection_lab import (  # noqa: E402
     CACHE,
+    FINETUNE_BATCH,
     SHIM_JITTER,
     SHIM_MODES,
     Served,
@@ -110,6 +119,7 @@ from bench.detection_lab import (  # noqa: E402
     tracking_canaries,
     trained_model,
 )
+from bench.detection_met import MET_ROW, completions, met_table, met_trials  # noqa: E402
 from bench.detection_methods import (  # noqa: E402
     DEFAULT_RULE,
     METHODS,
@@ -119,6 +129,8 @@ from bench.detection_methods import (  # noqa: E402
     permutations_for,
 )
 from bench.detection_peers import PEER_REQUESTS, PEERS, split  # noqa: E402
+from bench.detection_product import SUITES, deploy_suites, passes_of, trial_passes, vllm_block  # noqa: E402
+from bench.detection_product import table as product_table  # noqa: E402
 from bench.detection_race import as_json, off_test_cost, per_method_table, race, race_table, tally  # noqa: E402
 from bench.detection_report import (  # noqa: E402
     Cells,
@@ -133,7 +145,7 @@ from bench.detection_text import TEXT_METHODS, text_only  # noqa: E402
 from canaryd import log  # noqa: E402
 from canaryd.config import CompareConfig  # noqa: E402
 from canaryd.judge.stats import fit  # noqa: E402
-from canaryd.lab.tinymodel import perturb_weights  # noqa: E402
+from canaryd.lab.tinymodel import finetune_step, perturb_weights  # noqa: E402
 from canaryd.stack import configuration_of  # noqa: E402
 from tests.harness.balancer import Balancer  # noqa: E402
 
@@ -160,6 +172,7 @@ class Settings:
     restarts: int  # N0 servers
     g_scales: tuple[float, ...]  # G: weight noise relative to each tensor's std
     prune: tuple[float, ...]  # P: the fraction of each matrix's smallest weights pruned
+    finetune: tuple[float, ...]  # FT: the learning rate of one AdamW step on `FINETUNE_BATCH`
     trials: int  # Monte-Carlo trials per variant × method (per server)
     null_trials: int  # shim trials on N0 (a false-alarm rate needs more)
     deployments: int  # shim: independent draws of mode offsets and calibration
@@ -168,6 +181,8 @@ class Settings:
     resamples: int  # bootstrap resamples of every interval
     permutation_floor: int  # LT's and MET's permutations: at least this many, and enough for alpha
     lt_max_n: int  # LT's equal-token windows beyond this many rows are not run
+    product_trials: int  # product path: `canaryd check` passes per server and shipped suite
+    met_pool: int  # MET at its settings: completions per prompt per server (a test draws 10 of them)
 
 
 FULL = Settings(
@@ -178,6 +193,7 @@ FULL = Settings(
     restarts=4,
     g_scales=(1e-2, 3e-3, 1e-3, 3e-4, 1e-4),
     prune=(0.01, 0.03),
+    finetune=(1e-4, 1e-5),
     trials=200,
     null_trials=1000,
     deployments=5,
@@ -186,6 +202,8 @@ FULL = Settings(
     resamples=1000,
     permutation_floor=999,
     lt_max_n=1200,
+    product_trials=40,
+    met_pool=40,
 )
 QUICK = replace(
     FULL,
@@ -195,6 +213,7 @@ QUICK = replace(
     restarts=2,
     g_scales=(3e-3, 3e-4),
     prune=(),
+    finetune=(),
     trials=50,
     null_trials=200,
     deployments=2,
@@ -203,6 +222,8 @@ QUICK = replace(
     resamples=500,
     permutation_floor=0,  # 2/alpha − 1: 199 at alpha 0.01, still exact (p can fall to alpha/2)
     lt_max_n=300,
+    product_trials=5,
+    met_pool=12,
 )
 
 
@@ -263,6 +284,10 @@ def serve_all(
                 tracking=tracking,
                 tracking_calibration=greedy_probes(reference, tracking, settings.k),
             )
+            ref.met = completions(srv.base_url, settings.met_pool, rng)  # MET's reference completions
+            # the product path: a canaryd per shipped suite deployed on the baseline server, as a user runs it
+            products = deploy_suites(logs / "product" / "baseline", vllm_block(srv.base_url))
+            print(f"product path, deployed on the baseline server: {passes_of(products)}", flush=True)
             phases["baseline server"] = time.perf_counter() - t
             print(
                 f"baseline: {len(canaries)} canaries, K={settings.k} probes each, regimes: "
@@ -280,6 +305,16 @@ def serve_all(
                         s.extra["calibration"] = greedy_probes(backend, canaries, settings.k)
                         s.extra["forced calibration"] = greedy_probes(backend, forced, settings.k)
                         s.extra["tracking calibration"] = greedy_probes(backend, tracking, settings.k)
+                    block = vllm_block(base_url)
+                    deps = products
+                    if deployed_here:  # a user deploys on the fleet through its balancer
+                        deps = deploy_suites(logs / "product" / variant, block)
+                        print(f"product path, deployed on {variant}: {passes_of(deps)}", flush=True)
+                    s.product = {
+                        suite: trial_passes(dep, block, settings.product_trials, logs / "product" / "work")
+                        for suite, dep in deps.items()
+                    }
+                    s.met = completions(base_url, settings.met_pool, rng)
                     checks, scored = reference_checks(reference, canaries, s.greedy)
                     ref.checks.update(checks)
                     ref.scored.update(scored)
@@ -318,6 +353,42 @@ def serve_all(
         finally:
             reference.close()
     return ref, servers, fleet_hits, phases
+
+
+def print_product(servers: dict[str, list[Served]], settings: Settings, quick: bool) -> dict:
+    """The product path's figures (printed): per variant and shipped suite, pooled over its servers."""
+    results = {
+        v: {suite: [p for s in ss for p in s.product.get(suite, [])] for suite in SUITES}
+        for v, ss in servers.items()
+        if any(s.product for s in ss)
+    }
+    print(
+        f"PRODUCT PATH ({'QUICK: ' if quick else ''}{settings.product_trials} `canaryd check` passes per "
+        "server and suite, each from a fresh copy of the deployed state; N0 pooled over its restarts; FQ1 "
+        "is composed, not served, so it has none): an alarm is exit code 1"
+    )
+    print(product_table(results, honest=("N0", "F")))
+    return {v: {suite: [asdict(p) for p in ps] for suite, ps in by.items()} for v, by in results.items()}
+
+
+def print_met(
+    ref: Reference, servers: dict[str, list[Served]], ladder: list[str], settings: Settings, args
+) -> dict:
+    """MET at its paper's settings (printed): its trials per served variant (FQ1 is composed: none)."""
+    rng = random.Random(f"{args.seed}-met")
+    b = permutations_for(args.alpha, settings.permutation_floor)
+    results = {
+        v: [x for s in ss for x in met_trials(ref.met, s.met, settings.trials, args.alpha, b, rng)]
+        for v, ss in servers.items()
+        if all(s.met for s in ss)
+    }
+    print(
+        f"{MET_ROW}: {settings.trials} trials per server, {b} permutations, each trial 10 of the "
+        f"{settings.met_pool} completions per prompt a server gave; ignore_eos and min_tokens = 50"
+        + (" (QUICK: a pool of 12 per prompt, so trials overlap)" if args.quick else "")
+    )
+    print("\n".join(met_table(results, ladder, args.seed, settings.resamples)))
+    return {v: [[a, p] for a, p in xs] for v, xs in results.items()}
 
 
 def print_race(label: str, result: dict, off: dict[str, str] | None, rs) -> None:
@@ -382,6 +453,12 @@ def main() -> None:
             )
             for f in settings.prune
         }
+        | {
+            f"FT{lr:g}": finetune_step(
+                model, CACHE / f"detection-trained-seed0-finetune{lr:g}", train=FINETUNE_BATCH, lr=lr
+            )
+            for lr in settings.finetune
+        }
     )
     phases["build models"] = time.perf_counter() - t
 
@@ -413,12 +490,17 @@ def main() -> None:
 
     # 4. the figures: real, then SYNTHETIC (one process per σ_mode: the servers are gone)
     order = ["N0", "F", "FQ1", "D1", "Q1", "Q2", *(f"P{f:g}" for f in settings.prune)]
+    order += [f"FT{lr:g}" for lr in settings.finetune]
     order += [f"G{s:g}" for s in settings.g_scales]
     ladder = [v for v in order if v not in ("N0", "F", "FQ1")]
     c = len(canaries)
     tokens = {name: tokens_per_request(name, servers["N0"][0]) for name in REQUESTS | PEER_REQUESTS}
     # the answer tokens a reference check scores per request (Token-DiFR counts these)
     scored = mean_completion_tokens([o for obs in servers["N0"][0].greedy.values() for o in obs])
+    product = print_product(servers, settings, args.quick)
+    t = time.perf_counter()
+    met = print_met(ref, servers, ladder, settings, args)
+    phases["MET at its settings"] = time.perf_counter() - t
     t = time.perf_counter()
     real = analyse(ref, servers, settings, args.alpha, args.seed)
     real_figs = figures(real, ladder, c, tokens)
@@ -545,6 +627,8 @@ def main() -> None:
             "race": {"real": as_json(real_race), "text-only": as_json(text_race)}
             | {f"synthetic {s}": as_json(x) for s, x in shim_race.items()},
             "off_test_cost": off,
+            "product_path": product,
+            "met_paper_settings": met,
             "synthetic": {
                 "modes": SHIM_MODES,
                 "jitter_share": SHIM_JITTER,

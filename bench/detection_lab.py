@@ -58,6 +58,9 @@ class Served:
     # "forced", "tracking": those canaries' probes; on the fleet also "calibration", "forced calibration"
     # and "tracking calibration", the probes a canaryd deployed on the balancer calibrates from
     extra: dict[str, dict[str, list[Observation]]] = field(default_factory=dict)
+    # suite → the product path's test passes on this server (`detection_product.Pass`)
+    product: dict[str, list] = field(default_factory=dict)
+    met: dict[str, list[tuple[str, ...]]] = field(default_factory=dict)  # `detection_met.completions`
 
 
 def bench_canaries() -> list[Canary]:
@@ -127,6 +130,20 @@ def reference_checks(
     return {k: c for k, (c, _) in done.items()}, {k: tuple(s.tokens) for k, (_, s) in done.items()}
 
 
+# FT<lr>: one fine-tuning step (`tinymodel.finetune_step`) on this small batch of raw completions, none of
+# them a canary's prompt: a provider's update on data of its own
+FINETUNE_BATCH = (
+    ("Once upon a time", " there was a small red fox."),
+    ("The weather today is", " cold and wet."),
+    ("My favourite food is", " bread with cheese."),
+    ("The river flows", " to the sea."),
+    ("Every morning she", " walks to the market."),
+    ("The letter said", " come home soon."),
+    ("The children played", " in the garden."),
+    ("A good friend is", " always there."),
+)
+
+
 def trained_model(canaries: Sequence[Canary]) -> Path:
     pairs = [([m.model_dump() for m in c.messages or ()], c.expect.answer) for c in canaries if c.expect]
     return build_tiny_model(CACHE / "detection-trained-seed0", seed=0, train=pairs, steps=600)
@@ -141,9 +158,19 @@ def backend_for(base_url: str) -> Backend:
 
 @contextmanager
 def server(model: Path, dtype: str, logs: Path, name: str) -> Iterator[VLLMServer]:
+    # every server serves its weights under one path, as a provider swaps weights behind one name: the stack
+    # snapshot's models.root then names no variant (the product path's `check` reads it); a running server
+    # has loaded its weights, so relinking for the next one leaves it as it is
+    served = logs / "served-weights"
+    served.unlink(missing_ok=True)
+    served.symlink_to(model.resolve())
     # a long start-up allowance: one late start on a loaded machine would lose every server served before it
     with VLLMServer(
-        model, dtype=dtype, extra_args=["--enforce-eager"], log_path=logs / f"{name}.log", startup_timeout=900
+        served,
+        dtype=dtype,
+        extra_args=["--enforce-eager"],
+        log_path=logs / f"{name}.log",
+        startup_timeout=900,
     ) as srv:
         yield srv
 
@@ -264,6 +291,8 @@ def composed(variant: str, fleet: Served, drop: str, joined: Served) -> Served:
         samples=pools(fleet.samples, joined.samples),
         lt=mix(fleet.lt, joined.lt),
         extra=fleet.extra | {k: pools(fleet.extra[k], joined.extra[k]) for k in ("forced", "tracking")},
+        product={},  # `check` passes and MET's completions need a server: a composed fleet has none
+        met={},
     )
 
 

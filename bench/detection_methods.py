@@ -84,6 +84,7 @@ class Reference:
     checks: dict[tuple, Check] = field(default_factory=dict)  # `detection_lab.check_key` → its check
     # `detection_lab.check_key` → the reference's scoring of that answer's text
     scored: dict[tuple, tuple[TokenLogprob, ...]] = field(default_factory=dict)
+    met: dict[str, list[tuple[str, ...]]] = field(default_factory=dict)  # `detection_met.completions`
 
 
 Method = Callable[[Reference, Served, object, float, random.Random], dict[int, list[Outcome]]]

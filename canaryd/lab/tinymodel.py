@@ -121,7 +121,7 @@ def _examples(tok, train: Train) -> list[tuple[list[int], list[int]]]:
     return out
 
 
-def _train(model, examples, steps: int) -> tuple[int, bool]:
+def _train(model, examples, steps: int, lr: float = 3e-3) -> tuple[int, bool]:
     """AdamW on the answer tokens until all answers win greedily by MARGIN.
 
     A teacher-forced argmax check is exact for greedy decoding: generation
@@ -141,7 +141,7 @@ def _train(model, examples, steps: int) -> tuple[int, bool]:
     # Next-token targets: position t predicts labels[t + 1].
     tgt = labels[:, 1:]
     sel = tgt != -100
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
     progress.begin(steps, "the tiny model")  # at most `steps`: it stops once every answer wins
     for step in range(1, steps + 1):
@@ -304,3 +304,32 @@ def _perturb(src: Path, dst: Path, mode: str, scale: float, seed: int) -> None:
                 x = x + torch.randn(x.shape, generator=gen) * (scale * x.std())
             tensors[name] = x.to(w.dtype).contiguous()
         save_file(tensors, dst / f.name, metadata={"format": "pt"})
+
+
+def finetune_step(src: Path, dst: Path, *, train: Train, lr: float) -> Path:
+    """Copy a model directory to ``dst`` after one AdamW step at ``lr`` on the batch ``train``: a
+    provider's fine-tuning step, the third axis of Log Probability Tracking's variants. Adam's first step
+    moves every weight by at most ``lr``. Cached and locked as `perturb_weights` is."""
+    src, dst = Path(src), Path(dst)
+    weights = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(src.glob("*.safetensors"))]
+    recipe = json.dumps({"src": weights, "mode": "finetune", "lr": lr, "train": list(train)})
+    digest = hashlib.sha256(recipe.encode()).hexdigest()
+    with _exclusive(dst):
+        if not _made(dst / PERTURBED, digest):
+            _finetune(src, dst, train, lr)
+            (dst / PERTURBED).write_text(json.dumps({"digest": digest}))
+    return dst
+
+
+def _finetune(src: Path, dst: Path, train: Train, lr: float) -> None:
+    import torch
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    dst.mkdir(parents=True, exist_ok=True)
+    (dst / PERTURBED).unlink(missing_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.name not in (MARKER, PERTURBED) and f.suffix != ".safetensors":
+            shutil.copy2(f, dst / f.name)
+    model = LlamaForCausalLM.from_pretrained(src, dtype=torch.float32)
+    _train(model, _examples(AutoTokenizer.from_pretrained(src), train), steps=1, lr=lr)
+    model.save_pretrained(dst, safe_serialization=True)

@@ -35,3 +35,16 @@ def test_magnitude_pruning_zeroes_each_matrix_smallest_weights_and_nothing_else(
     assert int(zeroed.sum()) == 100  # a quarter of 400
     assert w.abs()[zeroed].max() <= w.abs()[~zeroed].min()  # the smallest magnitudes went
     assert torch.equal(out["w"][~zeroed], w[~zeroed]) and torch.equal(out["norm"], norm)
+
+
+def test_one_finetuning_step_moves_every_weight_by_at_most_lr(tmp_path):
+    from safetensors.torch import load_file
+
+    src = tinymodel.build_tiny_model(tmp_path / "src", seed=0)
+    out = tinymodel.finetune_step(src, tmp_path / "out", train=[("Once upon a time", " a cat")], lr=1e-3)
+    before, after = load_file(src / "model.safetensors"), load_file(out / "model.safetensors")
+    assert before.keys() == after.keys() and (out / "tokenizer.json").exists()
+    moved = [(after[k] - before[k]).abs() for k in before]
+    assert max(float(d.max()) for d in moved) <= 1e-3 * (1 + 1e-4)  # Adam's first step: |Δ| ≤ lr
+    assert sum(int((d > 5e-4).sum()) for d in moved) > 0.5 * sum(d.numel() for d in moved)
+    assert not (out / tinymodel.MARKER).exists()  # never mistaken for a clean build
