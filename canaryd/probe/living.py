@@ -2,8 +2,10 @@
 
 The rule is ``canaryd.judge.living``'s; here it meets the backend and the store. Nothing is sent while
 every calibrated canary stays within its noise: the pass's own answers are the evidence. Only a canary out
-of its noise whose own answer is location-quiet costs ``refit_probes`` more requests (crowded, as learning
-probes are), and only its refit is saved. Like learning probes they are never stored as observations.
+of its noise whose own answer is location-quiet costs ``refit_probes`` more requests, sent alone as the
+pass's own answers are (a crowded probe takes the crowd's batch shape, one numerical path, and would not
+sample the paths the pass's answers take), and only its refit is saved. Like learning probes they are
+never stored as observations.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from canaryd.judge.learning import is_learning
 from canaryd.judge.living import Location, location, pooled, refit, restarts_detector
 from canaryd.judge.stats import CalibrationError, NoiseModel, point
 from canaryd.observation import Observation, utcnow
-from canaryd.probe.learn import _sizes, _usable
+from canaryd.probe.learn import _usable
 from canaryd.probe.shapes import Judged, shape_of
 from canaryd.stack import configuration_of
 
@@ -86,7 +88,7 @@ def refresh(
         mine = {cid: v for cid, v in due.items() if cid.partition(":")[0] == canary.id}
         if not mine:
             continue
-        sizes = _sizes(backend, settings, False)
+        sizes = (1,)  # sent as the pass's own answers are: they sample the noise that judges those
         with progress.quiet():
             probes = shape_of(canary).calibration_probes(
                 backend, canary, canaries, k=settings.refit_probes, batch_sizes=sizes
