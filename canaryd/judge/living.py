@@ -27,9 +27,10 @@ stack moves every canary one way, honest noise each its own way.
 
 **The rule** (`refit`). When the pass is location-quiet (every calibrated answer, and pooled), each
 calibrated (not exact) canary out of its noise gets ``refit_probes`` more probes, sent alone as the pass's
-own answers are (crowded ones take the crowd's path, and would not sample the noise that judges them); when every one of them is
-location-quiet too and none has a completion the first model never gave, the answer and its probes join
-the model as references, so a new path or a wider spread is a neighbour from then on. A refit
+own answers are (crowded ones take the crowd's path, and would not sample the noise that judges them);
+when every one of them is location-quiet too and none has a completion the first model never gave, the
+answer and its probes join the model as references, so a new path or a wider spread is a neighbour from
+then on. A refit
 
 * only adds: the first K probes, their spread and their centre stay, so every later probe is still held
   to the centre the canary was first fitted at, and a slow drift accumulates against it instead of
@@ -149,7 +150,10 @@ def refit(
             break
         added = keep
     if not added or not any(p in added for p in probes):
-        return f"every probe lies beyond the widening cap ({cap:g}× the first model's reach, its farthest distinct neighbour)"
+        return (
+            f"every probe lies beyond the widening cap ({cap:g}× the first model's reach, its farthest "
+            "distinct neighbour)"
+        )
     count = model.refit.count + 1 if model.refit else 1
     return NoiseModel(
         model.request_hash,
