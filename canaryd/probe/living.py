@@ -16,11 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 from canaryd import progress
 from canaryd.judge.answers import WithAnswers
-from canaryd.judge.learning import is_learning
 from canaryd.judge.living import Location, location, pooled, refit, restarts_detector
-from canaryd.judge.stats import CalibrationError, NoiseModel, point
+from canaryd.judge.stats import NoiseModel, point
 from canaryd.observation import Observation, utcnow
-from canaryd.probe.learn import _usable
+from canaryd.probe.learn import _usable, stored
 from canaryd.probe.shapes import Judged, shape_of
 from canaryd.stack import configuration_of
 
@@ -30,18 +29,6 @@ if TYPE_CHECKING:
     from canaryd.config import CompareConfig
     from canaryd.judge.compare import Decision
     from canaryd.store import Store
-
-
-def _model(store: Store, backend: str, obs: Observation) -> NoiseModel | None:
-    """The canary's stored noise model of the observed request (None: learning, none, or another)."""
-    doc = store.judging(backend).calibration(backend, obs.canary_id, configuration_of(obs.stack))
-    if doc is None or is_learning(doc):
-        return None
-    try:
-        model = NoiseModel.from_dict(doc)
-    except (CalibrationError, KeyError, TypeError, ValueError):
-        return None
-    return model if model.request_hash == obs.request_hash else None
 
 
 def refresh(
@@ -60,13 +47,14 @@ def refresh(
         return list(judged)
     # first the pass as it stands: each calibrated answer's location, and the pass's canaries pooled
     due: dict[str, tuple[NoiseModel, Location, Observation]] = {}
+    reads = store.judging(backend.name)
     ts, bounds, quiet = [], [], True
     for canary, per in zip(canaries, judged, strict=True):
         for j in per if shape_of(canary).calibrated else ():
             ev, obs = j.comparison.evidence, j.observation
             if ev is None or ev.method != "conformal-nn" or not obs.ok:
                 continue
-            if (model := _model(store, backend.name, obs)) is None:
+            if (model := stored(reads, backend.name, obs)[1]) is None:
                 continue
             loc = location(model)
             t = loc.t(model, point(obs))
