@@ -26,9 +26,9 @@ SQLite store and its own draws. Noise models: the realistic model's presets (``n
   table per pass), the noise sd doubled (Gaussian: ``noise``; realistic: the model's ``scale = 2``), and
 for the realistic presets the load behind the noise raised (``load`` 0.5 → 0.9: more paths in the mix).
 * **Exact engines** (no noise): first contact decides ``exact``; the same shifts are drift on their first
-  probe. A nearly idle bf16 engine (load 0.05, no cache hits) shows what the exact regime costs when first
-  contact sees only one path (the scripted kind draws a request's path from ``load`` alone, not from the
-  batch it joined, so first contact's crowded probes do not force another path as a real engine's would).
+  probe. A nearly idle bf16 engine (load 0.05, no cache hits): nearly every request sent alone takes one
+  path, but first contact's crowded probes share a batch and take another (the scripted kind's path
+  follows the crowd a request was released with as well as the load), so it must learn, not pass as exact.
 * **Sampled canaries**: a 20-sample canary at temperature 1 (three answers) under gpu-bf16, judged by
   its two-sample tests at ``[compare] alpha``.
 
@@ -531,9 +531,9 @@ def print_bounds(exact: tuple[Row, dict], idle: Row, sampled: Row, alpha: float)
     )
     w = idle.week
     print(
-        f"| exact regime on a nearly idle bf16 engine (load 0.05, no cache hits) | first contact's probes "
-        f"may "
-        f"all take one path | regimes {_regimes(idle)}; drift {rate(w.drift, w.canary_passes, 1e4)} per "
+        f"| a nearly idle bf16 engine (load 0.05, no cache hits) | first contact's crowded probes take "
+        f"another path than its answers sent alone: learning, not exact; then false drift ≤ 1 per 10,000 "
+        f"| regimes {_regimes(idle)}; drift {rate(w.drift, w.canary_passes, 1e4)} per "
         f"10,000 canary-passes; alarm onsets {rate(w.alarms, w.passes)} per pass |"
     )
     w = sampled.week

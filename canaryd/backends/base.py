@@ -8,6 +8,7 @@ way for every kind. `attempt` never raises: a failure is an observation too, wit
 
 from __future__ import annotations
 
+import contextvars
 import os
 import re
 from collections.abc import Iterable
@@ -26,6 +27,10 @@ from canaryd.observation import ErrorKind, Observation
 
 log = Logger("canaryd.backends")  # structlog, imported when it first logs
 KEY_FILE_BYTES = 64 << 10  # an API key file is small; a larger one (or a device, a FIFO) is refused
+# How many requests the sender released at once, this one included (1: alone): `canaryd.probe.batching`
+# sets it for a crowded round. A real engine sees its batch for itself; a simulating kind (the scripted
+# kind's noise model) reads it to pick the numerical path the batch would take.
+CROWD: contextvars.ContextVar[int] = contextvars.ContextVar("canaryd_crowd", default=1)
 
 
 class BackendUnavailable(Exception):

@@ -4,9 +4,13 @@ The `scripted` kind serves it (``noise_model = { preset = "gpu-bf16" }``) and th
 applies its offsets to real logprobs. docs/detection.md ("A realistic noise model") gives each figure's
 source. It is not Gaussian noise with one sd, which is too kind to a nearest-neighbour statistic:
 
-* **Paths.** A request shares its batch with k of ``paths − 1`` other slots, each taken with probability
-  ``load``; each k is one numerical path, so the mix of paths follows the load (load 0: always path 0, as
-  an idle server serves batch size 1). It also hits the prefix cache with probability ``cache_hits``.
+* **Paths.** A request's batch holds the crowd it was sent with (the ``crowd − 1`` requests released at
+  once beside it: first contact's, learning's and calibration's crowded probes, `canaryd.probe.batching`)
+  and the background: each of ``paths − 1`` slots taken with probability ``load``. Each number k of other
+  requests is one numerical path, and k ≥ ``paths − 1`` share the last one, so the mix of paths follows the
+  load (load 0: a request sent alone always takes path 0, as an idle server serves batch size 1), and a
+  crowded request takes another path than one sent alone whatever the load, as on a real GPU engine. It
+  also hits the prefix cache with probability ``cache_hits``.
 * **Fixed per path.** Every (canary, position, token) has a fixed offset on each path: re-running the
   same batch is bit-exact, and a restarted engine (another process) has the same paths. Between two
   paths a share ``tail_share`` of the tokens moves by a heavy-tailed amount (bf16: 0.15–0.5 nats, so more
@@ -125,9 +129,11 @@ class Realistic:
         self._q = 1.0 - math.sqrt(1.0 - n.tail_share)
         self._cache_max = min(CACHE_MAX, n.body[1])
 
-    def draw(self, rng: random.Random) -> Route:
-        """The route of one request, drawn from the load, the cache hit rate and the text flip rate."""
-        path = sum(rng.random() < self.cfg.load for _ in range(self.paths - 1))
+    def draw(self, rng: random.Random, crowd: int = 1) -> Route:
+        """The route of one request sent with ``crowd − 1`` others at once, drawn from the load, the cache
+        hit rate and the text flip rate."""
+        background = sum(rng.random() < self.cfg.load for _ in range(self.paths - 1))
+        path = min(self.paths - 1, crowd - 1 + background)
         cache = rng.random() < self.cfg.cache_hits
         flips = rng.random() < self.text_flips
         return Route(path, cache, 1 + rng.randrange(VARIANTS) if flips else 0)

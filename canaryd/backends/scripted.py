@@ -19,8 +19,9 @@ canary (temperature > 0) weighted answers, drawn from its seed when it has one.
 
 Noise. ``noise`` adds Gaussian noise of that sd to every logprob of every attempt (a plain non-exact
 engine). ``noise_model`` serves the realistic model of `canaryd.backends.noise` instead (or as well): a
-request takes one of a few numerical paths by the load, each bit-exact, with heavy tails, prefix-cache
-hits, greedy flips at near ties and, for an API, text flips (docs/detection.md, "A realistic noise model"):
+request takes one of a few numerical paths by the load and by the crowd it was released with (``CROWD``:
+a crowded probe's batch), each bit-exact, with heavy tails, prefix-cache hits, greedy flips at near ties
+and, for an API, text flips (docs/detection.md, "A realistic noise model"):
 
     noise_model = { preset = "gpu-bf16" }    # or gpu-fp16, gpu-fp32, batch-invariant, api
     # optional: paths = 4, load = 0.5, cache_hits = 0.5, ties = 0.0, text_flips = 0.24, scale = 1.0
@@ -84,7 +85,7 @@ from pydantic import Field, model_validator
 
 from canaryd.backends import openai_wire as wire
 from canaryd.backends import refusals
-from canaryd.backends.base import BackendSettings, BackendUnavailable
+from canaryd.backends.base import CROWD, BackendSettings, BackendUnavailable
 from canaryd.backends.noise import NoiseModel, Realistic, Route, Share, unit
 from canaryd.backends.openai_request import request_body, request_hash
 from canaryd.canaries import Canary
@@ -286,7 +287,7 @@ class Prober:
         rng = random.Random(f"{self.seed}:{canary.id}:{nth}")
         route, ties = None, {}
         if model is not None:
-            route = model.draw(random.Random(f"{self.seed}:{canary.id}:{nth}:route"))
+            route = model.draw(random.Random(f"{self.seed}:{canary.id}:{nth}:route"), CROWD.get())
             text, ties = (text, {}) if calls else model.answer(canary.id, text, route)
         d = canary.decoding
         chars = list(text) if "max_tokens" in ignored else list(text)[: d.max_tokens]
@@ -359,7 +360,7 @@ class Prober:
         shift, noise, model = self._shift_noise(active, member)
         rng = random.Random(f"{self.seed}:{canary.id}:forced:{self._draws}")
         route = (
-            model.draw(random.Random(f"{self.seed}:{canary.id}:forced:{self._draws}:route"))
+            model.draw(random.Random(f"{self.seed}:{canary.id}:forced:{self._draws}:route"), CROWD.get())
             if model
             else None
         )

@@ -26,16 +26,22 @@ a top-5: 12, whose |W| cannot exceed 3.06), so the pass's canaries are also take
 stack moves every canary one way, honest noise each its own way.
 
 **The rule** (`refit`). When the pass is location-quiet (every calibrated answer, and pooled), each
-calibrated (not exact) canary out of its noise gets ``refit_probes`` more probes; when every one of them is
-location-quiet too and none has a completion the first model never gave, the answer and its probes join
-the model as references, so a new path or a wider spread is a neighbour from then on. A refit
+calibrated (not exact) canary out of its noise gets ``refit_probes`` more probes, sent alone as the pass's
+own answers are (crowded ones take the crowd's path, and would not sample the noise that judges them);
+when every one of them is location-quiet too and none has a completion the first model never gave, the
+answer and its probes join the model as references, so a new path or a wider spread is a neighbour from
+then on. A refit
 
 * only adds: the first K probes, their spread and their centre stay, so every later probe is still held
   to the centre the canary was first fitted at, and a slow drift accumulates against it instead of
   being followed (its probes fail the location test, whatever the spread);
-* is capped: no reference may stand further than ``refit_cap`` times the first model's largest
-  leave-one-out distance from its nearest other (references that would are left out), so the threshold
-  never exceeds ``refit_cap`` times the first one;
+* is capped: no reference may stand further than ``refit_cap`` times the first model's *reach* from its
+  nearest other (references that would are left out), so the threshold never exceeds ``refit_cap`` times
+  the reach (and the guard band). The reach (`reach`) is the largest distance from one of the first K
+  probes to its nearest distinct other: a continuous model's largest leave-one-out distance, and for a
+  modal model whose every path came twice (bit-identical twins, a leave-one-out maximum of 0) the widest
+  gap between its paths; measured against 0, every new path's probe would lie beyond the cap, and a
+  grown noise on 13 canaries paged for most passes;
 * keeps at most K added references (the oldest added go first; the first K never do);
 * never moves the baseline, and an exact model is never refit (exactness is its contract).
 
@@ -134,7 +140,7 @@ def refit(
         worst = max((abs(t) for t in moved if t is not None), default=math.nan)
         return f"the logprobs moved one way (location |t| {worst:.3g} > {loc.bound:.3g}): a change, not noise"
     first = first_refs(model)
-    base = model.refit.loo_max if model.refit else max(model.loo)
+    base = reach(model, first)
     added = [*model.refs[len(first) :], *probes][-len(first) :]
     while True:
         refs = (*first, *added)
@@ -144,7 +150,10 @@ def refit(
             break
         added = keep
     if not added or not any(p in added for p in probes):
-        return f"every probe lies beyond the widening cap ({cap:g}× the first model's farthest neighbour)"
+        return (
+            f"every probe lies beyond the widening cap ({cap:g}× the first model's reach, its farthest "
+            "distinct neighbour)"
+        )
     count = model.refit.count + 1 if model.refit else 1
     return NoiseModel(
         model.request_hash,
@@ -153,8 +162,27 @@ def refit(
         model.default_spread,
         tuple(loo),
         model.signal_values,
-        Refit(len(first), count, at, base),
+        Refit(len(first), count, at, model.refit.loo_max if model.refit else max(model.loo)),
     )
+
+
+def reach(model: NoiseModel, first: Sequence[Point]) -> float:
+    """What the widening cap is measured against: the largest distance from one of the first K probes to
+    its nearest *distinct* other. For a continuous model it is the largest leave-one-out distance; for a
+    modal one whose every path came twice (bit-identical twins: a leave-one-out maximum of 0) it is the
+    widest gap between its paths, the noise it showed, where 0 would refuse every new path."""
+    gaps = [
+        min(
+            (
+                d
+                for j, o in enumerate(first)
+                if j != i and (d := distance(r, o, model.spread, model.default_spread)) > 0
+            ),
+            default=0.0,
+        )
+        for i, r in enumerate(first)
+    ]
+    return max(gaps, default=0.0)
 
 
 def _loo(model: NoiseModel, refs: Sequence[Point]) -> list[float]:

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from canaryd import progress
 from canaryd.backends import Backend
+from canaryd.backends.base import CROWD
 from canaryd.canaries import Canary, Message
 from canaryd.observation import Observation
 from canaryd.probe import vet
@@ -60,9 +61,13 @@ def collect(
                     continue
                 barrier = threading.Barrier(b)
 
-                def send(c: Canary, barrier: threading.Barrier = barrier) -> Observation:
+                def send(c: Canary, barrier: threading.Barrier = barrier, b: int = b) -> Observation:
                     barrier.wait()  # the pool has a thread for each of the round's b requests
-                    return vet.probe(backend, c)
+                    token = CROWD.set(b)  # the pool's threads keep their context between rounds
+                    try:
+                        return vet.probe(backend, c)
+                    finally:
+                        CROWD.reset(token)
 
                 mine = pool.submit(send, canary)
                 crowd = [pool.submit(send, next(cycle)) for _ in range(b - 1)]

@@ -6,9 +6,9 @@ before the pass is judged: ``learn_first`` probes through the shape's `calibrati
 crowded beside filler requests where the backend takes more than one request at a time). Bit-identical with
 the pass's own answer: an EXACT model is saved at once (the pass is judged against it). Otherwise a learning
 window starts. After the pass is stored, every learning canary whose pass was quiet (no drift, no error)
-adds its own answer and ``learn_per_pass`` crowded probes to its window; when ``learn_k`` are in (or
-``learn_max_passes`` passes are past, from at least `MIN_FIT` probes) the window is fitted and, if it
-launders nothing, saved as the canary's noise model. The window lives in the ``calibration`` table
+adds its own answer and ``learn_per_pass`` probes (alone and crowded) to its window; when ``learn_k`` are
+in (or ``learn_max_passes`` passes are past, from at least `MIN_FIT` probes) the window is fitted and, if
+it launders nothing, saved as the canary's noise model. The window lives in the ``calibration`` table
 (`Store.save_learning`), so each ``canaryd check`` process goes on where the last one stopped.
 
 Learning probes are never stored as observations (like calibration probes, they would disturb the
@@ -50,28 +50,38 @@ if TYPE_CHECKING:
 FIRST = "first"  # no model, no window (or one for an older request): first contact is due
 
 
-def _state(reads: Reads, backend: str, obs: Observation) -> Learning | str | None:
-    """The observed id's learning window; `FIRST` when first contact is due; None when a model of its
-    request is stored (nothing to learn)."""
+def stored(reads: Reads, backend: str, obs: Observation) -> tuple[Learning | None, NoiseModel | None]:
+    """The observed id's calibration row, read once: (its learning window, None) or (None, its noise
+    model); (None, None) when there is none of the observed request (none, another request's, or one this
+    version cannot read)."""
     doc = reads.calibration(backend, obs.canary_id, configuration_of(obs.stack))
     if doc is None:
-        return FIRST
+        return None, None
     try:
         if is_learning(doc):
             state = Learning.from_dict(doc)
-            return state if state.request_hash == obs.request_hash else FIRST
-        return None if NoiseModel.from_dict(doc).request_hash == obs.request_hash else FIRST
+            return (state, None) if state.request_hash == obs.request_hash else (None, None)
+        model = NoiseModel.from_dict(doc)
     except (CalibrationError, KeyError, TypeError, ValueError):  # unreadable: learning replaces it
-        return FIRST
+        return None, None
+    return (None, model) if model.request_hash == obs.request_hash else (None, None)
 
 
-def _sizes(backend: Backend, settings: CompareConfig, alone: bool) -> tuple[int, ...]:
-    """The load levels of learning probes: alone (``alone``) and one crowded batch, as large as the
-    largest calibration batch size the backend's concurrency allows (none where it takes one at a time)."""
+def _state(reads: Reads, backend: str, obs: Observation) -> Learning | str | None:
+    """The observed id's learning window; `FIRST` when first contact is due; None when a model of its
+    request is stored (nothing to learn)."""
+    window, model = stored(reads, backend, obs)
+    if window is not None:
+        return window
+    return None if model is not None else FIRST
+
+
+def _sizes(backend: Backend, settings: CompareConfig) -> tuple[int, ...]:
+    """The load levels of learning probes: alone, as the pass's own answers are sent (the noise that judges
+    them), and one crowded batch, as large as the largest calibration batch size the backend's concurrency
+    allows (none where it takes one at a time): a GPU engine's crowded batch takes another numerical path."""
     crowd = min(max(settings.calibration_batch_sizes), backend.concurrency)
-    if crowd <= 1:
-        return (1,)
-    return (1, crowd) if alone else (crowd,)
+    return (1,) if crowd <= 1 else (1, crowd)
 
 
 def _usable(probes: Sequence[Observation], own: Observation, stack: dict[str, str]) -> list[Observation]:
@@ -109,7 +119,7 @@ def first_contact(
     if not settings.learn:
         return done
     reads = store.judging(backend.name)
-    sizes = _sizes(backend, settings, alone=True)
+    sizes = _sizes(backend, settings)
     for canary, observations in zip(canaries, sent, strict=True):
         shape = shape_of(canary)
         if not (shape.calibrated and observations and all(o.ok for o in observations)):
@@ -230,7 +240,7 @@ def grow(
         quiet = all(j.observation.ok and not j.comparison.verdict.is_drift for j in per)
         probes = {}
         if quiet and settings.learn_per_pass:
-            sizes = _sizes(backend, settings, alone=False)
+            sizes = _sizes(backend, settings)
             with progress.quiet():
                 probes = shape.calibration_probes(
                     backend, canary, canaries, k=settings.learn_per_pass, batch_sizes=sizes

@@ -2,8 +2,10 @@
 
 The rule is ``canaryd.judge.living``'s; here it meets the backend and the store. Nothing is sent while
 every calibrated canary stays within its noise: the pass's own answers are the evidence. Only a canary out
-of its noise whose own answer is location-quiet costs ``refit_probes`` more requests (crowded, as learning
-probes are), and only its refit is saved. Like learning probes they are never stored as observations.
+of its noise whose own answer is location-quiet costs ``refit_probes`` more requests, sent alone as the
+pass's own answers are (a crowded probe takes the crowd's batch shape, one numerical path, and would not
+sample the paths the pass's answers take), and only its refit is saved. Like learning probes they are
+never stored as observations.
 """
 
 from __future__ import annotations
@@ -14,11 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 from canaryd import progress
 from canaryd.judge.answers import WithAnswers
-from canaryd.judge.learning import is_learning
 from canaryd.judge.living import Location, location, pooled, refit, restarts_detector
-from canaryd.judge.stats import CalibrationError, NoiseModel, point
+from canaryd.judge.stats import NoiseModel, point
 from canaryd.observation import Observation, utcnow
-from canaryd.probe.learn import _sizes, _usable
+from canaryd.probe.learn import _usable, stored
 from canaryd.probe.shapes import Judged, shape_of
 from canaryd.stack import configuration_of
 
@@ -28,18 +29,6 @@ if TYPE_CHECKING:
     from canaryd.config import CompareConfig
     from canaryd.judge.compare import Decision
     from canaryd.store import Store
-
-
-def _model(store: Store, backend: str, obs: Observation) -> NoiseModel | None:
-    """The canary's stored noise model of the observed request (None: learning, none, or another)."""
-    doc = store.judging(backend).calibration(backend, obs.canary_id, configuration_of(obs.stack))
-    if doc is None or is_learning(doc):
-        return None
-    try:
-        model = NoiseModel.from_dict(doc)
-    except (CalibrationError, KeyError, TypeError, ValueError):
-        return None
-    return model if model.request_hash == obs.request_hash else None
 
 
 def refresh(
@@ -58,13 +47,14 @@ def refresh(
         return list(judged)
     # first the pass as it stands: each calibrated answer's location, and the pass's canaries pooled
     due: dict[str, tuple[NoiseModel, Location, Observation]] = {}
+    reads = store.judging(backend.name)
     ts, bounds, quiet = [], [], True
     for canary, per in zip(canaries, judged, strict=True):
         for j in per if shape_of(canary).calibrated else ():
             ev, obs = j.comparison.evidence, j.observation
             if ev is None or ev.method != "conformal-nn" or not obs.ok:
                 continue
-            if (model := _model(store, backend.name, obs)) is None:
+            if (model := stored(reads, backend.name, obs)[1]) is None:
                 continue
             loc = location(model)
             t = loc.t(model, point(obs))
@@ -86,7 +76,7 @@ def refresh(
         mine = {cid: v for cid, v in due.items() if cid.partition(":")[0] == canary.id}
         if not mine:
             continue
-        sizes = _sizes(backend, settings, False)
+        sizes = (1,)  # sent as the pass's own answers are: they sample the noise that judges those
         with progress.quiet():
             probes = shape_of(canary).calibration_probes(
                 backend, canary, canaries, k=settings.refit_probes, batch_sizes=sizes

@@ -225,3 +225,13 @@ def test_under_the_realistic_gpu_noise_model_learning_is_quiet_and_then_catches_
     assert learned is not None and learned <= 10, learned
     caught = [verdicts(lab.cycle()) for _ in range(2)]
     assert any(set(v.values()) == {"logprob-drift"} for v in caught), caught
+
+
+def test_a_nearly_idle_bf16_engine_is_not_taken_for_exact_at_first_contact(make):
+    """At load 0.05 nearly every request sent alone takes one numerical path, but first contact's crowded
+    probes share a batch and take another, as on a real GPU engine: every canary learns, none passes as
+    exact (to drift later, whenever the load sends a pass's own answer down another path)."""
+    lab = make(scripted(noise_model={"preset": "gpu-bf16", "load": 0.05, "cache_hits": 0.0}, seed=2))
+    run = lab.cycle()
+    assert set(verdicts(run).values()) == {"baseline"}
+    assert set(run.learning) == set(IDS) and {regime(lab, c) for c in IDS} == {"learning"}

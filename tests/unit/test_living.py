@@ -7,12 +7,13 @@ never absorbed; honest constant noise stays quiet. The rule's pure half is teste
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 from rich.console import Console
 
-from canaryd.judge.living import location, refit
-from canaryd.judge.stats import NoiseModel, Point, fit_points
+from canaryd.judge.living import location, reach, refit
+from canaryd.judge.stats import NoiseModel, Point, distance, fit_points
 from canaryd.report.record import build_record, to_markdown
 from canaryd.report.tables import history_table
 from tests.harness.scripted_lab import ScriptedLab, change, scripted, verdicts
@@ -127,3 +128,35 @@ def test_refit_admits_a_wider_spread_and_refuses_a_moved_location_or_what_passes
     assert isinstance(far, str) and "widening cap" in far
     # a model stored with its refit reads back the same
     assert NoiseModel.from_dict(wider.as_dict()).refit == wider.refit
+
+
+def test_a_modal_model_whose_every_path_came_twice_admits_a_grown_path_within_the_cap():
+    """A GPU engine's first K probes: a few bit-exact paths, each seen twice, so no probe's leave-one-out
+    distance exceeds 0. The cap is measured against the gap between its paths (`reach`), not that 0:
+    new paths of a grown noise are admitted, one far beyond the cap is still refused."""
+    rng = random.Random(1)
+    paths = [_probe(rng, 0.01) for _ in range(6)]
+    first = fit_points("r", tuple(p for p in paths for _ in range(2)), {})
+    assert max(first.loo) == 0.0  # each path has its bit-exact twin
+    assert reach(first, first.refs) == max(
+        min(distance(p, o, first.spread, first.default_spread) for o in paths if o is not p) for p in paths
+    )
+    loc = location(first)
+    grown = refit(first, [_probe(rng, 0.02) for _ in range(4)], loc, cap=3.0, at="now")
+    assert isinstance(grown, NoiseModel) and grown.k > first.k, grown
+    assert grown.refit.loo_max == 0.0  # what the record shows as the first threshold stays the first model's
+    far = refit(first, [_probe(rng, 0.3) for _ in range(4)], loc, cap=1.5, at="now")
+    assert isinstance(far, str) and "widening cap" in far
+
+
+def test_on_the_13_canary_default_suite_every_gpu_offset_doubled_pages_for_at_most_three_passes(make):
+    """A grown noise on many canaries: each goes out on the paths its model has not seen at the new scale,
+    one after another, so a refit must admit new paths (the cap measured against the gap between the
+    first paths) from probes that take the paths the pass's answers take (sent alone)."""
+    bf16 = {"preset": "gpu-bf16"}
+    suite = (Path(__file__).parents[2] / "canaries" / "default.toml").read_text()
+    wider = change(at=AT, noise_model={**bf16, "scale": 2.0})
+    lab = make(scripted(noise_model=bf16, seed=4, body=wider), suites={"default.toml": suite})
+    assert not paged(passes(lab, AT - 1))
+    seen = passes(lab, 20)
+    assert len(paged(seen)) <= 3, seen

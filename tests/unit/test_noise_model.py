@@ -13,11 +13,13 @@ import statistics
 
 import pytest
 
+from canaryd.backends import make_backend
 from canaryd.backends.noise import CACHE_MAX, CAP, ULP, NoiseModel, Realistic, Route
 from canaryd.backends.scripted import Prober, Settings
 from canaryd.canaries import Canary, Decoding
 from canaryd.errors import InputError
 from canaryd.observation import Observation
+from canaryd.probe.batching import collect
 from tests.harness.scripted_lab import ScriptedLab, scripted
 
 SCRIPT = "the quick brown fox jumps over the lazy dog"
@@ -202,3 +204,23 @@ def test_a_change_replaces_the_model_and_the_scale_is_capped():
 def test_an_unknown_preset_is_a_config_error_naming_the_field(tmp_path):
     with pytest.raises(InputError, match=r"noise_model\.preset"):
         ScriptedLab(tmp_path, scripted(noise_model={"preset": "tpu-int4"}))
+
+
+def test_on_an_idle_engine_a_probe_sent_in_a_crowded_batch_takes_another_path_than_one_sent_alone():
+    """The path follows the batch a request shares, not the background load alone: an idle engine (load 0)
+    serves a request sent alone at batch size 1, always on one path, and one released with fillers
+    (`canaryd.probe.batching.collect`, as first contact's and calibration's crowded probes are) on another,
+    as a real GPU engine does whatever its load."""
+    backend = make_backend(
+        Settings(
+            name="fake",
+            answers=dict.fromkeys(IDS, SCRIPT),
+            noise_model=NoiseModel(preset="gpu-bf16", load=0.0, cache_hits=0.0),
+        )
+    )
+    fillers = [canary(f"c{i}") for i in range(1, 4)]
+    got = collect(backend, canary("c0"), n=3, batch_sizes=[1, 2, 4], fillers=fillers)
+    alone, pair, crowded = (distinct(got[b]) for b in (1, 2, 4))
+    assert len(alone) == len(pair) == len(crowded) == 1  # each batch shape one bit-exact path
+    assert len({signature(o) for o in alone + pair + crowded}) == 3  # three shapes, three paths
+    assert len(distinct([backend.probe(canary("c0")) for _ in range(3)] + alone)) == 1  # alone again: path 0
