@@ -11,7 +11,10 @@ The K probes also give the spread of each canary's reasoning tokens and latency 
 calibrated signals of a backend without logprobs. A calibration must not launder a change: when the
 canary's baseline (its answer, or its reasoning tokens) lies outside the noise just measured, the stack
 moved since the baseline, and that model is not saved (accept the new baseline first, or
-investigate).
+investigate). Before it says so, it takes a second look: K more probes, sent alone as a baseline was, and a
+model fitted from all 2K. An engine with a few numerical paths can give its baseline one that none of K
+probes took (the crowded ones all share the crowd's path), which is no evidence of a move; a baseline
+that a move left behind stays outside 2K probes as it did K.
 
 A backend served by several configurations (`canaryd.stack.configuration_of`) is calibrated per
 configuration: the K probes are grouped by the configuration that answered them, and each group gets its
@@ -87,7 +90,11 @@ def calibrate(
             continue
         probes = shape.calibration_probes(backend, canary, crowd, k=k, batch_sizes=batch_sizes)
         for cid, observed in probes.items():
-            out.extend(_fit_each(backend.name, cid, observed, store))
+            done = _fit_each(backend.name, cid, observed, store)
+            if any(r.model is not None and r.problem for r in done):  # a second look, alone
+                again = shape.calibration_probes(backend, canary, crowd, k=k, batch_sizes=(1,))
+                done = _fit_each(backend.name, cid, observed + again.get(cid, []), store)
+            out.extend(done)
     return out
 
 

@@ -123,6 +123,18 @@ def test_baseline_calibrate_finishes_learning_in_one_go(make):
     assert run.learning == () and set(verdicts(run).values()) <= {"within-noise", "identical"}
 
 
+def test_baseline_calibrate_second_look_does_not_launder_a_move_since_the_baseline(make, tmp_path):
+    # the stack moved between the baseline (pass 1) and calibrate (pass 2, another process): K probes, then
+    # K more alone, all lie away from the baseline, and no model is saved
+    moved = change(at=2, logprob_shift=-0.3)
+    lab = make(scripted(noise_model={"preset": "gpu-bf16"}, seed=3, cycle_file=tmp_path / "n", body=moved))
+    lab.cycle()
+    p = lab.cli("baseline", "calibrate")
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert p.stderr.count("the baseline lies outside the noise just measured") == len(IDS), p.stderr
+    assert {regime(lab, c) for c in IDS} == {"learning"}
+
+
 def test_check_learns_across_processes_and_exits_0_until_a_shift(tmp_path):
     cycles = tmp_path / "cycles"
     lab = ScriptedLab(tmp_path, scripted(noise=0.01, cycle_file=cycles, seed=1))
