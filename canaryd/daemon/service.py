@@ -162,9 +162,13 @@ class Daemon:
             }
             # each backend on its own: one that fails (probing, storing or recording) costs its own
             # series, and its canaries count as failed probes, so the failing-probes alert sees it
+            self.tenure.keep(gen.lease_s, futures, finished, lambda: self.gate.done)
             for b, f in futures.items():
                 try:
-                    self.metrics.record(f.result())
+                    run = f.result()
+                    if run is None:  # its lease was lost before its worker started it
+                        continue
+                    self.metrics.record(run)
                     self.metrics.set_config_errors(b, len(gen.backends[b].refused))
                 except Exception:
                     log.exception("backend_pass_failed", backend=b)
@@ -282,8 +286,18 @@ class Daemon:
         schedule: str,
         backend: str,
         canaries: list[Canary],
-    ) -> BackendRun:
-        """`_probe`, with when it started and finished (a failed one too): which backends made a pass late."""
+    ) -> BackendRun | None:
+        """`_probe`, with when it started and finished (a failed one too): which backends made a pass late.
+        None: the backend's lease was lost since the pass set out (or the database did not answer), and it
+        is not probed. Its last probe is stamped as it starts (`Store.started_probe`), not as the pass
+        set out: in a long pass the next probe is spaced from this one's actual start."""
+        try:
+            if not self.store.started_probe(backend, gen.lead.get(backend) == schedule):
+                log.warning("lease.lost", backend=backend, reason="taken before its probe")
+                return None
+        except Exception:
+            log.exception("lease.claim_failed", backends=[backend])
+            return None
         started[backend] = time.monotonic()
         try:
             return self._probe(gen, schedule, backend, canaries)
