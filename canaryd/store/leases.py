@@ -25,8 +25,10 @@ killed with SIGKILL loses that connection at once (the kernel closes its socket)
 at the dead holder's next due time (`Daemon._claim`) probes the backend on time: no pass is missed. With a
 `Plan` (a daemon's claims) such a lease is taken only from `EARLY_S` before that next pass, never sooner:
 the holder may have renewed it and probed the backend just before it died; unless it died between its
-claim and its probe (its pass marks ``lease.probed`` as it sets out, `start_probes`): then from an
-interval after its last probe, at once if it never probed. A hung
+claim and its probe (its pass marks ``lease.probed`` as it sets out, `start_probes`, and again as each
+backend's probes start, `started_probe`): then from an interval after its last probe, at once if it never
+probed. A pass longer than its lease renews the leases it has yet to probe while it makes progress
+(`renew_leases`). A hung
 holder keeps its connection, hence its presence: its backends go when its leases end, as before. A
 presence is recorded only while it is visible through the database's own connections (a pooler that
 hides it leaves the column NULL, and that holder's leases simply expire). SQLite keeps the single-daemon
