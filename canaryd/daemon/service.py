@@ -240,6 +240,7 @@ class Daemon:
         its last probe instead, by a pass of its own (`_rephase`), and so on every interval: the regular
         passes neither claim nor probe it meanwhile (a takeover's phase is its previous holder's)."""
         interval = gen.interval_s[schedule]
+        self.metrics.schedule_respaced.labels(schedule).inc(len(early))
         with self._choosing:
             self._phased |= set(early)
         groups: dict[float, list[str]] = {}
@@ -424,6 +425,7 @@ class Daemon:
         intervals = []
         for s in gen.config.schedules:
             self.metrics.schedule_overruns.labels(s.name)  # 0 from the start: an alert sees the first
+            self.metrics.schedule_respaced.labels(s.name)
             self.scheduler.add_job(
                 self._job,
                 trigger_for(s),

@@ -203,6 +203,7 @@ def test_a_backend_probed_too_recently_is_probed_on_its_own_phase_instead(tmp_pa
         assert 3600 - 40 - 5 < wait <= 3600 - 40  # on the last probe's phase
         (respaced,) = [e for e in logs if e["event"] == "pass.respaced"]
         assert respaced["log_level"] == "debug" and respaced["backends"] == ["fake"]
+        assert value(d, "canaryd_schedule_respaced_total", schedule="fast") == 1
         d.store.start_probes = honest
         with structlog.testing.capture_logs() as logs:
             d._job(*job.args)
