@@ -21,7 +21,8 @@ NAMED = 10
 
 
 class Gate:
-    """A counting semaphore that knows how many hold it (`in_flight`) and the most that ever did."""
+    """A counting semaphore that knows how many hold it (`in_flight`), the most that ever did, and how many
+    requests it let through in all (`done`)."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -29,6 +30,7 @@ class Gate:
         self._lock = threading.Lock()
         self.in_flight = 0
         self.peak = 0
+        self.done = 0  # requests answered (or failed) so far: a working pass's progress
 
     def __enter__(self) -> Gate:
         self._slots.acquire()
@@ -40,6 +42,7 @@ class Gate:
     def __exit__(self, *exc: object) -> None:
         with self._lock:
             self.in_flight -= 1
+            self.done += 1
         self._slots.release()
 
 

@@ -106,6 +106,16 @@ METRICS: tuple[MetricDef, ...] = (
         LIVE,
     ),
     MetricDef(
+        "schedule_respaced",
+        "canaryd_schedule_respaced",
+        "counter",
+        "Backends a pass of this schedule left because their last probe (a takeover's, a previous holder's) "
+        "was less than their spacing ago: each is probed on that probe's phase instead.",
+        S,
+        LIVE,
+        drawn=False,
+    ),
+    MetricDef(
         "requests_in_flight",
         "canaryd_requests_in_flight",
         "gauge",

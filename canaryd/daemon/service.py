@@ -15,8 +15,9 @@ systemd ``Type=notify``: READY once the store, the listener and the scheduler ar
 while the scheduler thread lives.
 
 Fleets: daemons sharing one PostgreSQL database claim each pass's backends first (`canaryd.store.leases`)
-and probe only those they hold, so each backend is probed by one live daemon per interval; a clean stop
-releases the leases. Every pass logs ``pass.start``/``pass.done`` per backend, with counts.
+and probe only those they hold, so each backend is probed by one live daemon per interval; a pass still
+working renews the leases it has yet to probe (`Tenure.keep`), and a clean stop releases the leases.
+Every pass logs ``pass.start``/``pass.done`` per backend, with counts.
 
 Load: the passes' backends run on one pool of ``[daemon] max_in_flight`` threads, and every request holds
 the daemon's `Gate` of as many slots (`canaryd.daemon.capacity`); a pass longer than its interval is
@@ -162,9 +163,13 @@ class Daemon:
             }
             # each backend on its own: one that fails (probing, storing or recording) costs its own
             # series, and its canaries count as failed probes, so the failing-probes alert sees it
+            self.tenure.keep(gen.lease_s, futures, finished, lambda: self.gate.done)
             for b, f in futures.items():
                 try:
-                    self.metrics.record(f.result())
+                    run = f.result()
+                    if run is None:  # its lease was lost before its worker started it
+                        continue
+                    self.metrics.record(run)
                     self.metrics.set_config_errors(b, len(gen.backends[b].refused))
                 except Exception:
                     log.exception("backend_pass_failed", backend=b)
@@ -235,6 +240,7 @@ class Daemon:
         its last probe instead, by a pass of its own (`_rephase`), and so on every interval: the regular
         passes neither claim nor probe it meanwhile (a takeover's phase is its previous holder's)."""
         interval = gen.interval_s[schedule]
+        self.metrics.schedule_respaced.labels(schedule).inc(len(early))
         with self._choosing:
             self._phased |= set(early)
         groups: dict[float, list[str]] = {}
@@ -282,8 +288,18 @@ class Daemon:
         schedule: str,
         backend: str,
         canaries: list[Canary],
-    ) -> BackendRun:
-        """`_probe`, with when it started and finished (a failed one too): which backends made a pass late."""
+    ) -> BackendRun | None:
+        """`_probe`, with when it started and finished (a failed one too): which backends made a pass late.
+        None: the backend's lease was lost since the pass set out (or the database did not answer), and it
+        is not probed. Its last probe is stamped as it starts (`Store.started_probe`), not as the pass
+        set out: in a long pass the next probe is spaced from this one's actual start."""
+        try:
+            if not self.store.started_probe(backend, gen.lead.get(backend) == schedule):
+                log.warning("lease.lost", backend=backend, reason="taken before its probe")
+                return None
+        except Exception:
+            log.exception("lease.claim_failed", backends=[backend])
+            return None
         started[backend] = time.monotonic()
         try:
             return self._probe(gen, schedule, backend, canaries)
@@ -409,6 +425,7 @@ class Daemon:
         intervals = []
         for s in gen.config.schedules:
             self.metrics.schedule_overruns.labels(s.name)  # 0 from the start: an alert sees the first
+            self.metrics.schedule_respaced.labels(s.name)
             self.scheduler.add_job(
                 self._job,
                 trigger_for(s),

@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, wait
 
 import structlog
 
@@ -12,6 +15,9 @@ from canaryd.store import Store
 from canaryd.store.leases import Plan
 
 log = structlog.get_logger("canaryd.daemon")
+
+# A pass still working renews the leases of the backends it has yet to finish this share of a lease apart.
+RENEW = 1 / 3
 
 
 class Tenure:
@@ -67,6 +73,42 @@ class Tenure:
         self.metrics.fleet_backends.set(len(held))
         self.metrics.fleet_share.set(sum(plan.weight[b] for b in held) / total)
         self.metrics.fleet_daemons.set(len(self.store.fleet_view()))
+
+    def keep(
+        self,
+        lease_s: Mapping[str, float],
+        futures: Mapping[str, Future],
+        finished: Mapping[str, float],
+        progress: Callable[[], int],
+    ) -> None:
+        """Wait for the pass's backends, renewing the leases of those not finished every `RENEW` of their
+        lease while the daemon makes progress (``progress``, its requests answered, moved since the last
+        renewal): a pass longer than its lease (a first contact's baselines, a slow server) keeps the
+        backends it has yet to probe, in one statement per renewal. A hung daemon renews nothing, and its
+        leases end at their expiry."""
+        if not futures or not self.store.leased:
+            wait(futures.values())
+            return
+        period = min(lease_s[b] for b in futures) * RENEW
+        pending, due, seen = set(futures.values()), time.monotonic() + period, progress()
+        while pending:
+            _, pending = wait(pending, timeout=max(due - time.monotonic(), 0.0))
+            if not pending or time.monotonic() < due:
+                continue
+            due = time.monotonic() + period
+            if progress() == seen:
+                log.info("lease.not_renewed", reason="no request answered", pending=len(pending))
+                continue
+            seen = progress()
+            rest = {b: lease_s[b] for b in futures if b not in finished}
+            try:
+                kept = self.store.renew_leases(rest)
+            except Exception:
+                log.exception("lease.renew_failed", backends=len(rest))
+                continue
+            log.debug("lease.renewed", backends=len(kept))
+            for b in sorted(set(rest) - kept):
+                log.warning("lease.lost", backend=b, reason="taken during its pass")
 
     def forget(self, backends: set[str]) -> None:
         """Backends a reload removed: their leases end now, and a later reload that adds one back starts

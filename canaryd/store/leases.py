@@ -25,8 +25,10 @@ killed with SIGKILL loses that connection at once (the kernel closes its socket)
 at the dead holder's next due time (`Daemon._claim`) probes the backend on time: no pass is missed. With a
 `Plan` (a daemon's claims) such a lease is taken only from `EARLY_S` before that next pass, never sooner:
 the holder may have renewed it and probed the backend just before it died; unless it died between its
-claim and its probe (its pass marks ``lease.probed`` as it sets out, `start_probes`): then from an
-interval after its last probe, at once if it never probed. A hung
+claim and its probe (its pass marks ``lease.probed`` as it sets out, `start_probes`, and again as each
+backend's probes start, `started_probe`): then from an interval after its last probe, at once if it never
+probed. A pass longer than its lease renews the leases it has yet to probe while it makes progress
+(`renew_leases`). A hung
 holder keeps its connection, hence its presence: its backends go when its leases end, as before. A
 presence is recorded only while it is visible through the database's own connections (a pooler that
 hides it leaves the column NULL, and that holder's leases simply expire). SQLite keeps the single-daemon
@@ -154,6 +156,21 @@ marked AS (
 SELECT mine.backend, marked.backend IS NOT NULL, extract(epoch FROM now() - mine.probed)
 FROM mine LEFT JOIN marked ON marked.backend = mine.backend
 """)
+# Extends this holder's leases of a pass still working (never shortens one), locked in the claimers' order.
+_RENEW = text("""
+WITH mine AS (
+  SELECT lease.backend, t.s FROM lease
+  JOIN unnest(CAST(:backends AS text[]), CAST(:seconds AS float8[])) AS t(b, s) ON lease.backend = t.b
+  WHERE lease.holder = :holder ORDER BY lease.backend FOR UPDATE OF lease)
+UPDATE lease SET expires = GREATEST(lease.expires, now() + make_interval(secs => mine.s)) FROM mine
+WHERE lease.backend = mine.backend
+RETURNING lease.backend
+""")
+# A worker starts probing a backend: still this holder's? Then (``mark``) its last probe is now.
+_STARTED = text(
+    "UPDATE lease SET probed = CASE WHEN :mark THEN now() ELSE probed END "
+    "WHERE backend = :backend AND holder = :holder RETURNING backend"
+)
 _HOLDERS = text(
     "SELECT backend, holder, extract(epoch FROM expires - now()) FROM lease "
     "WHERE backend = ANY(CAST(:backends AS text[]))"
@@ -276,6 +293,32 @@ class Leases(Connected):
                 else:
                     early[b] = float(age)
         return kept, early
+
+    def started_probe(self, backend: str, mark: bool) -> bool:
+        """A worker of a pass starts probing the backend: whether it is still this daemon's (a lease lost
+        since the pass set out is not probed) and, with ``mark``, its last probe stamped now, on the
+        database's clock. The spacing was checked as the pass set out (`start_probes`); this stamp moves
+        the last probe to when it actually began, so the next one is spaced from it."""
+        if not self.leased:
+            return True
+        params = {"holder": self.lease_holder, "backend": backend, "mark": mark}
+        with self.engine.begin() as conn:
+            return conn.execute(_STARTED, params).first() is not None
+
+    def renew_leases(self, seconds: Mapping[str, float]) -> set[str]:
+        """Extend this daemon's leases of the backends a working pass has yet to finish (each to at least
+        its number of seconds from now), in one statement; those still held. Only a pass that makes
+        progress renews (`canaryd.daemon.service`): a hung one's leases end at their expiry."""
+        if not self.leased or not seconds:
+            return set(seconds)
+        names = sorted(seconds)
+        params = {
+            "holder": self.lease_holder,
+            "backends": names,
+            "seconds": [float(seconds[b]) for b in names],
+        }
+        with self.engine.begin() as conn:
+            return set(conn.execute(_RENEW, params).scalars())
 
     def _heartbeat(self, plan: Plan, presence: str | None) -> None:
         """Record this daemon as live (and prune the dead), in a transaction of its own: the claims of this

@@ -10,17 +10,22 @@ one stopped with SIGTERM releases them, and the other takes them over as soon. `
 
 from __future__ import annotations
 
+import itertools
 import signal
+import threading
 import time
 from datetime import UTC, datetime
 
 import pytest
+import structlog
 from sqlalchemy import text
 
+from canaryd.daemon.service import Daemon
 from canaryd.store import Store, lease_seconds
 from canaryd.store.leases import presence_name
 from tests.harness.fleet import Fleet, doubles, gaps_after
 from tests.harness.postgres import PostgresServer
+from tests.harness.scripted_lab import ScriptedLab, scripted
 
 # What a pass may start late on this (shared, 2-core) machine: APScheduler's wake-up, a daemon busy
 # storing another backend's pass, the database's commit. Passes of one daemon are otherwise exactly
@@ -186,3 +191,110 @@ def test_a_new_holder_never_probes_a_backend_within_its_spacing_of_the_last_prob
     finally:
         a.close()
         b.close()
+
+
+def test_a_working_pass_renews_what_it_has_yet_to_probe_and_stamps_each_probe_as_it_starts(pg):
+    """The two statements a long pass adds, with two stores: a renewal extends only the renewer's leases,
+    in one statement, never shortening one; a worker's start stamps the backend's last probe (the lead
+    schedule's pass) and says whether it is still the worker's daemon's."""
+    url = pg.create_database("renewal")
+    a, b = Store(url, "a"), Store(url, "b")
+    try:
+        assert set(a.claim_leases({"x": 2, "y": 2})) == {"x", "y"}
+        assert b.claim_leases({"z": 2})["z"].holder == b.lease_holder
+        assert a.renew_leases({"x": 60, "y": 60, "z": 60}) == {"x", "y"}  # z is b's
+        assert a.renew_leases({"x": 1}) == {"x"}  # never shortened
+        time.sleep(2.5)  # z's lease is over; x's and y's go on
+        after = b.claim_leases({"x": 60, "y": 60, "z": 60})
+        assert after["x"].holder == after["y"].holder == a.lease_holder and after["x"].ends_in > 50
+        assert after["z"].holder == b.lease_holder
+        with a.engine.begin() as c:
+            c.execute(text("UPDATE lease SET probed = now() - interval '30 seconds'"))
+        assert a.started_probe("x", mark=True) and a.started_probe("y", mark=False)
+        assert not a.started_probe("z", mark=True)  # b's: a's worker does not probe it
+        with a.engine.connect() as c:
+            age = dict(c.execute(text("SELECT backend, extract(epoch FROM now() - probed) FROM lease")).all())
+        assert age["x"] < 5 and age["y"] >= 30 and age["z"] >= 30  # only x's probe began now
+    finally:
+        a.close()
+        b.close()
+
+
+def _slow_daemon(tmp_path, url):
+    """A daemon (not started: the test runs its passes) of three backends probed one request at a time:
+    a first contact's baselines make its pass longer than its lease (3 s: a 2 s interval)."""
+    backends = "".join(scripted(f"b{i}", latency_s=0.05) for i in range(1, 4))
+    tail = f'[storage]\nurl = "{url}"\n[daemon]\nmax_in_flight = 1\ninstance = "a"\n'
+    lab = ScriptedLab(tmp_path, backends, tail=tail + '[[schedules]]\nname = "fast"\nevery = "2s"\n')
+    lab.store.close()
+    return Daemon(lab.path, lab.config)
+
+
+def _rival(url, stop, backends):
+    """Another daemon's store claiming the backends every 0.2 s until stopped: when it first held each."""
+    store, got = Store(url, "b"), {}
+    try:
+        while not stop.is_set():
+            for name, lease in store.claim_leases(dict.fromkeys(backends, 60.0)).items():
+                if lease.holder == store.lease_holder:
+                    got.setdefault(name, time.monotonic())
+            stop.wait(0.2)
+    finally:
+        store.close()
+    return got
+
+
+def test_a_pass_longer_than_its_lease_keeps_its_backends_a_hung_one_loses_them_at_expiry(pg, tmp_path):
+    url = pg.create_database("longpass")
+    d = _slow_daemon(tmp_path, url)
+    names = ["b1", "b2", "b3"]
+    stop, out = threading.Event(), {}
+    try:
+        assert d._claim(d.gen, names) == set(names)  # first (as the daemon does when it starts)
+        rival = threading.Thread(target=lambda: out.update(_rival(url, stop, names)))
+        begun = time.monotonic()
+        with structlog.testing.capture_logs() as logs:
+            rival.start()
+            d._job("fast")
+            took = time.monotonic() - begun
+            stop.set()
+            rival.join()
+        assert took > d.gen.lease_s["b1"]  # longer than its lease
+        done = [e for e in logs if e["event"] == "pass.done"]
+        assert [e["backend"] for e in done] == names  # each probed once, one after the other
+        assert any(e["event"] == "lease.renewed" for e in logs)
+        # none was the rival's before it was probed (a probed one may be: its next probe is spaced from
+        # this one by the lease's stamp, whoever holds it)
+        finish = dict(zip(names, itertools.accumulate(e["duration_s"] for e in done), strict=True))
+        assert all(out[b] - begun >= finish[b] for b in out), (out, begun, finish)
+        with d.store.engine.connect() as c:
+            starts = c.execute(text("SELECT probed FROM lease ORDER BY backend")).scalars().all()
+        # each stamp is its backend's own start, not the pass's: the one before it took that long first
+        gaps = [(later - earlier).total_seconds() for earlier, later in itertools.pairwise(starts)]
+        assert all(gap >= 0.9 * e["duration_s"] for gap, e in zip(gaps, done, strict=False)), (gaps, done)
+
+        hang = threading.Event()
+        probe = d._probe
+        d._probe = lambda *a: hang.wait() and probe(*a)  # b1's worker hangs: nothing finishes
+        time.sleep(2)  # the last pass's stamps are a spacing ago
+        stop.clear()
+        job = threading.Thread(target=d._job, args=["fast"])
+        begun = time.monotonic()
+        with structlog.testing.capture_logs() as logs:
+            job.start()
+            out.clear()
+            rival = threading.Thread(target=lambda: out.update(_rival(url, stop, names)))
+            rival.start()
+            time.sleep(d.gen.lease_s["b1"] + 1.5)
+            stop.set()
+            rival.join()
+            hang.set()
+            job.join()
+        assert set(out) == set(names)  # all taken once their leases ended: not renewed
+        assert all(t - begun >= d.gen.lease_s["b1"] - 1.0 for t in out.values())  # not before
+        assert any(e["event"] == "lease.not_renewed" for e in logs)
+        assert [e["backend"] for e in logs if e["event"] == "pass.start"] == ["b1"]  # the others: lost
+        assert {e["backend"] for e in logs if e["event"] == "lease.lost"} >= set(names[1:])
+    finally:
+        stop.set()
+        d.stop()

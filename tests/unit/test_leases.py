@@ -7,6 +7,8 @@ runs it with two real daemons.
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future
 from datetime import UTC, datetime
 
 import httpx2
@@ -97,6 +99,33 @@ class FleetStore:
 
     def fleet_view(self):
         return (self.lease_holder,)
+
+
+def test_a_working_pass_renews_what_it_has_yet_to_finish_only_while_requests_are_answered():
+    """`Tenure.keep`: while nothing is answered (a hung daemon) no lease is renewed; once requests are
+    answered, every third of a lease the backends not finished yet are renewed, in one call; those the
+    renewal no longer finds held are logged lost. (The statement itself: tests/e2e/test_failover.py.)"""
+    fleet, renewed, answered = FleetStore(), [], [0]
+    fleet.renew_leases = lambda seconds: renewed.append(dict(seconds)) or set(seconds) - {"c"}
+    futures = {b: Future() for b in ("a", "b", "c")}
+    finished: dict[str, float] = {}
+    keep = threading.Thread(
+        target=Tenure(fleet, Metrics()).keep,
+        args=(dict.fromkeys(futures, 0.3), futures, finished, lambda: answered[0]),
+    )
+    with structlog.testing.capture_logs() as logs:
+        keep.start()
+        wait("a check without progress", lambda: any(e["event"] == "lease.not_renewed" for e in logs))
+        assert renewed == []  # hung: its leases end at their expiry
+        finished["a"] = 0.0
+        futures["a"].set_result(None)
+        answered[0] = 3
+        wait("a renewal", lambda: renewed)
+        for f in ("b", "c"):
+            futures[f].set_result(None)
+        keep.join()
+    assert renewed[0] == {"b": 0.3, "c": 0.3}  # not a: finished
+    assert [e["backend"] for e in logs if e["event"] == "lease.lost"] == ["c"]
 
 
 def test_the_daemon_logs_and_exports_each_change_of_what_it_holds():
@@ -203,6 +232,7 @@ def test_a_backend_probed_too_recently_is_probed_on_its_own_phase_instead(tmp_pa
         assert 3600 - 40 - 5 < wait <= 3600 - 40  # on the last probe's phase
         (respaced,) = [e for e in logs if e["event"] == "pass.respaced"]
         assert respaced["log_level"] == "debug" and respaced["backends"] == ["fake"]
+        assert value(d, "canaryd_schedule_respaced_total", schedule="fast") == 1
         d.store.start_probes = honest
         with structlog.testing.capture_logs() as logs:
             d._job(*job.args)
