@@ -46,14 +46,13 @@ from apscheduler.triggers.interval import IntervalTrigger
 from canaryd.canaries import Canary
 from canaryd.config import Config, ScheduleConfig, load_config
 from canaryd.daemon import sdnotify, signals
-from canaryd.daemon.capacity import NAMED, Gate, late_backends
+from canaryd.daemon.capacity import Gate, affordable, overran
 from canaryd.daemon.generation import Generation
 from canaryd.daemon.httpserver import MetricsServer
 from canaryd.daemon.metrics import Metrics
 from canaryd.daemon.tenure import Tenure
 from canaryd.daemon.webconfig import load_web_config
 from canaryd.errors import InputError
-from canaryd.probe.budget import over_budget
 from canaryd.probe.run import BackendRun, run_pass
 from canaryd.store import open_store
 
@@ -149,7 +148,8 @@ class Daemon:
                 work = {b: cs for b, cs in work.items() if b in takeover and self.tenure.holders.get(b) != me}
             held = self._claim(gen, list(work)) if work else set()
             mine = self._choose(gen, schedule, held, None if phase else takeover)
-            work = self._affordable(gen, schedule, {b: cs for b, cs in work.items() if b in mine})
+            chosen = {b: cs for b, cs in work.items() if b in mine}
+            work = affordable(self.store, self.metrics, gen.config, schedule, chosen)
             work, early = self._still_held(gen, schedule, work)
             if early:
                 self._respace(gen, schedule, early)
@@ -182,7 +182,7 @@ class Daemon:
             if takeover is None:
                 self.metrics.schedule_last.labels(schedule).set(time.time())
             if takeover is None or phase:  # a phase pass carries a share of the schedule's work
-                self._overran(gen, schedule, begun, started, finished)
+                overran(self.metrics, self.gate, schedule, gen.interval_s[schedule], begun, started, finished)
         except Exception:
             log.exception("pass_failed")
             if phase:  # back to the regular passes
@@ -261,25 +261,6 @@ class Daemon:
             wait = max(gen.interval_s[schedule] - (time.monotonic() - begun), 0.0)
             self._later(PHASE, schedule, sorted(probed), wait, phase=True)
 
-    def _affordable(
-        self, gen: Generation, schedule: str, work: dict[str, list[Canary]]
-    ) -> dict[str, list[Canary]]:
-        """The backends whose pass fits their daily budget; a skipped one is logged and counted (a budget
-        that cannot be read skips nothing: the store's failure shows elsewhere)."""
-        fits = {}
-        for b, canaries in work.items():
-            try:
-                why = over_budget(self.store, gen.config.backend(b), canaries)
-            except Exception:
-                log.exception("budget.read_failed", backend=b)
-                why = None
-            if why is None:
-                fits[b] = canaries
-            else:
-                log.warning("budget.skip", schedule=schedule, backend=b, reason=why)
-                self.metrics.budget_skips.labels(b).inc()
-        return fits
-
     def _timed(
         self,
         started: dict[str, float],
@@ -305,32 +286,6 @@ class Daemon:
             return self._probe(gen, schedule, backend, canaries)
         finally:
             finished[backend] = time.monotonic()
-
-    def _overran(
-        self,
-        gen: Generation,
-        schedule: str,
-        begun: float,
-        started: dict[str, float],
-        finished: dict[str, float],
-    ) -> None:
-        """The pass's duration as a gauge; one longer than its schedule's interval is counted and logged,
-        naming the backends still probing when the interval was up (the slowest first)."""
-        took, interval = time.monotonic() - begun, gen.interval_s[schedule]
-        self.metrics.schedule_duration.labels(schedule).set(took)
-        overruns = self.metrics.schedule_overruns.labels(schedule)
-        if took <= interval:
-            return
-        overruns.inc()
-        late = late_backends(interval, started, finished, begun)
-        log.warning(
-            "pass_overran",
-            duration_s=round(took, 3),
-            interval_s=interval,
-            late=len(late),
-            backends=late[:NAMED],
-            in_flight_cap=self.gate.limit,
-        )
 
     def _probe(self, gen: Generation, schedule: str, backend: str, canaries: list[Canary]) -> BackendRun:
         """One backend's share of a pass, logged at its start and end with what it found."""
