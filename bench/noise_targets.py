@@ -64,6 +64,7 @@ from canaryd.judge.stats import DetectorState, NoiseModel  # noqa: E402
 from canaryd.judge.verdicts import Verdict  # noqa: E402
 from canaryd.probe import shapes, vet  # noqa: E402
 from canaryd.probe.shapes import shape_of  # noqa: E402
+from tests.harness.alerts import drift_alerts  # noqa: E402
 from tests.harness.scripted_lab import ScriptedLab, change, scripted  # noqa: E402
 
 SUITE = REPO / "canaries" / "default.toml"
@@ -78,7 +79,7 @@ MODELS: dict[str, dict] = {
 }
 NEAR_IDLE = {"noise_model": {"preset": "gpu-bf16", "load": 0.05, "cache_hits": 0.0}}
 WEEK = 2016  # 5-minute passes in 7 days
-DRIFT_ALERTS = ("CanarydLogprobDrift", "CanarydAnswerChanged", "CanarydRegression", "CanarydDriftEvidence")
+DRIFT_ALERTS = drift_alerts()  # every shipped alert that selects a drift verdict or the alarm
 
 
 # -- statistics ----------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ import httpx2
 import pytest
 
 from canaryd.lab.vllm_process import VLLMServer, free_port
+from tests.harness.alerts import drift_alerts
 from tests.harness.services import (
     Service,
     WebhookReceiver,
@@ -34,13 +35,7 @@ from tests.harness.services import (
 pytestmark = pytest.mark.vllm
 REPO = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
 RULES = REPO / "prometheus" / "canaryd-alerts.yml"
-DRIFT_ALERTS = {
-    "CanarydLogprobDrift",
-    "CanarydAnswerChanged",
-    "CanarydRegression",
-    "CanarydStackChanged",
-    "CanarydDriftEvidence",
-}
+DRIFT_ALERTS = set(drift_alerts(RULES))
 INTERVAL_S = 2
 KEY = "sk-canaryd-daemon-8e3b5d1f"  # required by the server; must never show in /metrics or logs
 
