@@ -84,8 +84,10 @@ class Tenure:
         """Wait for the pass's backends, renewing the leases of those not finished every `RENEW` of their
         lease while the daemon makes progress (``progress``, its requests answered, moved since the last
         renewal): a pass longer than its lease (a first contact's baselines, a slow server) keeps the
-        backends it has yet to probe, in one statement per renewal. A hung daemon renews nothing, and its
-        leases end at their expiry."""
+        backends it has yet to probe, in one statement per renewal. Only a lease that would end before
+        the next renewal (with half a period to spare) is extended: a pass of usual length leaves its
+        leases as claimed, so the others' takeovers stay timed on its holder's passes. A hung daemon
+        renews nothing, and its leases end at their expiry."""
         if not futures or not self.store.leased:
             wait(futures.values())
             return
@@ -102,7 +104,7 @@ class Tenure:
             seen = progress()
             rest = {b: lease_s[b] for b in futures if b not in finished}
             try:
-                kept = self.store.renew_leases(rest)
+                kept = self.store.renew_leases(rest, within=period * 1.5)
             except Exception:
                 log.exception("lease.renew_failed", backends=len(rest))
                 continue

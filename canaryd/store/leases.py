@@ -53,6 +53,7 @@ next passes, as a killed one's are; a killed one's row stays (not live) until pr
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import uuid
 from collections.abc import Iterable, Mapping
@@ -162,7 +163,8 @@ WITH mine AS (
   SELECT lease.backend, t.s FROM lease
   JOIN unnest(CAST(:backends AS text[]), CAST(:seconds AS float8[])) AS t(b, s) ON lease.backend = t.b
   WHERE lease.holder = :holder ORDER BY lease.backend FOR UPDATE OF lease)
-UPDATE lease SET expires = GREATEST(lease.expires, now() + make_interval(secs => mine.s)) FROM mine
+UPDATE lease SET expires = CASE WHEN lease.expires < now() + make_interval(secs => :within)
+  THEN GREATEST(lease.expires, now() + make_interval(secs => mine.s)) ELSE lease.expires END FROM mine
 WHERE lease.backend = mine.backend
 RETURNING lease.backend
 """)
@@ -305,10 +307,12 @@ class Leases(Connected):
         with self.engine.begin() as conn:
             return conn.execute(_STARTED, params).first() is not None
 
-    def renew_leases(self, seconds: Mapping[str, float]) -> set[str]:
-        """Extend this daemon's leases of the backends a working pass has yet to finish (each to at least
-        its number of seconds from now), in one statement; those still held. Only a pass that makes
-        progress renews (`canaryd.daemon.service`): a hung one's leases end at their expiry."""
+    def renew_leases(self, seconds: Mapping[str, float], within: float = math.inf) -> set[str]:
+        """Extend this daemon's leases of the backends a working pass has yet to finish that end within
+        ``within`` seconds (each to at least its number of seconds from now), in one statement; those
+        still held. A lease is extended only when it must be: the others' takeovers are timed from its
+        end, so a pass of usual length leaves it as claimed. Only a pass that makes progress renews
+        (`canaryd.daemon.service`): a hung one's leases end at their expiry."""
         if not self.leased or not seconds:
             return set(seconds)
         names = sorted(seconds)
@@ -316,6 +320,7 @@ class Leases(Connected):
             "holder": self.lease_holder,
             "backends": names,
             "seconds": [float(seconds[b]) for b in names],
+            "within": min(within, 1e9),
         }
         with self.engine.begin() as conn:
             return set(conn.execute(_RENEW, params).scalars())

@@ -204,9 +204,10 @@ def test_a_working_pass_renews_what_it_has_yet_to_probe_and_stamps_each_probe_as
         assert b.claim_leases({"z": 2})["z"].holder == b.lease_holder
         assert a.renew_leases({"x": 60, "y": 60, "z": 60}) == {"x", "y"}  # z is b's
         assert a.renew_leases({"x": 1}) == {"x"}  # never shortened
+        assert a.renew_leases({"x": 120}, within=30) == {"x"}  # held, and ending in 60 s: left as it is
         time.sleep(2.5)  # z's lease is over; x's and y's go on
         after = b.claim_leases({"x": 60, "y": 60, "z": 60})
-        assert after["x"].holder == after["y"].holder == a.lease_holder and after["x"].ends_in > 50
+        assert after["x"].holder == after["y"].holder == a.lease_holder and 50 < after["x"].ends_in < 60
         assert after["z"].holder == b.lease_holder
         with a.engine.begin() as c:
             c.execute(text("UPDATE lease SET probed = now() - interval '30 seconds'"))

@@ -106,7 +106,7 @@ def test_a_working_pass_renews_what_it_has_yet_to_finish_only_while_requests_are
     answered, every third of a lease the backends not finished yet are renewed, in one call; those the
     renewal no longer finds held are logged lost. (The statement itself: tests/e2e/test_failover.py.)"""
     fleet, renewed, answered = FleetStore(), [], [0]
-    fleet.renew_leases = lambda seconds: renewed.append(dict(seconds)) or set(seconds) - {"c"}
+    fleet.renew_leases = lambda seconds, within: renewed.append(dict(seconds)) or set(seconds) - {"c"}
     futures = {b: Future() for b in ("a", "b", "c")}
     finished: dict[str, float] = {}
     keep = threading.Thread(
