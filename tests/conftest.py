@@ -11,16 +11,17 @@ import os
 import pytest
 from hypothesis import settings
 
-# CI replays the same fuzz examples every run, so a landing is never refused by a newly drawn case;
-# local runs keep drawing new ones, which is where new cases get found (and then pinned as tests).
-settings.register_profile("ci", derandomize=True)
+# Every run replays the same fuzz examples, so `./test.sh` is the same test on a laptop and in CI, and a
+# landing is never refused by a newly drawn case; CANARYD_FUZZ_EXPLORE=1 draws new ones, which is where
+# new cases get found (and then pinned as tests).
+settings.register_profile("replay", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile("explore" if os.environ.get("CANARYD_FUZZ_EXPLORE") else "replay")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # A worker inherits the C environment of the process that spawned it, readline's COLUMNS and LINES
     # included (see `_no_stray_terminal_size`): only a test's own choice may set a child's width.
     for _name in ("COLUMNS", "LINES"):
         os.environ.pop(_name, None)
-if os.environ.get("CI"):
-    settings.load_profile("ci")
 
 
 # Collected last: modules that need what test.sh builds in the background (llama.cpp's server), so that the
