@@ -178,7 +178,8 @@ SIGNALS = ("reasoning_tokens", "latency_s")  # calibrated beside the logprobs (c
 class Refit:
     """How a living calibration has grown since it was fitted (`canaryd.judge.living`): ``refs[:first]``
     are the model as first fitted, whose spread and centre no refit moves; ``loo_max`` is that model's
-    largest leave-one-out distance (what the widening cap is measured against)."""
+    largest leave-one-out distance (the first threshold the record shows; the widening cap is measured
+    against the first model's reach, `canaryd.judge.living.reach`)."""
 
     first: int
     count: int
