@@ -56,8 +56,8 @@ class CompareConfig(Strict):
     # not judged at tolerance 0 unless first contact showed the backend exact. ``learn_first`` probes at
     # first contact (half alone, half crowded) decide the regime; a noisy canary is then *learning* and
     # gathers ``learn_per_pass`` probes a pass (alone and crowded), beside its own answer, until ``learn_k``
-    # are in;
-    # after ``learn_max_passes`` passes it is fit from what it has (at least 3 probes), or stays learning.
+    # are in; after ``learn_max_passes`` passes it is fit from what it has (at least 3 probes), or stays
+    # learning.
     learn: bool = True
     learn_k: Annotated[int, Field(ge=3, le=1000)] = 24
     learn_first: Annotated[int, Field(ge=2, le=100)] = 4
