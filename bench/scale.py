@@ -8,7 +8,8 @@ servers) × ``--canaries`` canaries, one schedule every ``--interval`` seconds, 
 (`canaryd run`) with their default ``[daemon] max_in_flight`` unless ``--cap``: a small config (``--small``
 backends, one daemon, SQLite), then the large one with each daemon count of ``--daemons`` (one on SQLite
 when ``--sqlite``; otherwise all on one real PostgreSQL database, sharing the backends). The script reads
-each daemon's ``/metrics`` each second and prints every pass (duration against the interval; an overrun
+each daemon's ``/metrics`` every ``--scrape`` seconds (15, as Prometheus would: each read after a pass
+renders the exposition) and prints every pass (duration against the interval; an overrun
 says so, with the backends the daemon's warning named), then per daemon: its share of the weighted work,
 its RSS and its CPU per probe over the passes after the first (the first takes baselines and first
 contact, and a fleet's shares settle in it), side by side. The PostgreSQL rows share one database, so a
@@ -168,6 +169,7 @@ class Watched:
         )
         log.close()
         self.passes: list[dict] = []
+        self.shares: list[tuple[float, float]] = []  # (monotonic time, its share of the weighted work)
         self.last_done: float | None = None
 
     def poll(self, interval: int) -> None:
@@ -178,6 +180,9 @@ class Watched:
             text = urllib.request.urlopen(f"http://{self.listen}/metrics", timeout=5).read().decode()
         except OSError:
             return
+        share = metric(text, "canaryd_fleet_weight_share")
+        if share is not None:  # takeover and phase passes move it between regular passes
+            self.shares.append((time.monotonic(), share))
         done = metric(text, "canaryd_schedule_last_run_timestamp_seconds")
         if done is None or done == self.last_done:
             return
@@ -227,7 +232,7 @@ class Watched:
             "rss_mib": passes[-1]["rss_mib"],
             "rss_first_mib": passes[0]["rss_mib"],
             "cpu_ms_per_probe": (passes[-1]["cpu_s"] - first["cpu_s"]) / max(probes, 1) * 1000,
-            "share": passes[-1]["share"],
+            "share": self.shares[-1][1] if self.shares else passes[-1]["share"],
         }
 
 
@@ -252,41 +257,66 @@ def run(
     since = time.time()
     watched = [Watched(work, p) for p in paths]
     t0 = time.monotonic()
+    shown = t0
     try:
         while any(len(w.passes) < args.passes for w in watched):
-            time.sleep(1)
+            time.sleep(args.scrape)
             for w in watched:
                 w.poll(args.interval)
+            if url and time.monotonic() - shown >= args.interval / 2:  # the shares, every half interval
+                shown = time.monotonic()
+                now = ", ".join(f"{w.name} {w.shares[-1][1]:.1%}" for w in watched if w.shares)
+                print(f"  {shown - t0:6.0f} s: shares {now}", flush=True)
     finally:
         for w in watched:
             w.proc.send_signal(signal.SIGTERM)
         for w in watched:
             w.proc.wait(60)
     wall = time.monotonic() - t0
-    close, gap = spacings(url, args.interval, since) if url else (None, None)
+    close, gap = spacings(url, args.interval, since, since + wall / 2) if url else (None, None)
+    settled = balanced(watched, t0) if url and daemons > 1 else None
+    if settled is not None:
+        print(f"  shares within {1 / daemons:.0%} ± 5 points from {settled:.0f} s after the start on")
     return [
         dict(w.figures(), label=label, backends=backends, wall_s=wall, doubles=close, gap_s=gap)
         for w in watched
     ]
 
 
-def spacings(url: str, interval: float, since: float) -> tuple[int, float]:
+def balanced(watched: list[Watched], t0: float) -> float | None:
+    """Seconds from the start after which every daemon's share stayed within an even share ± 5 points (None:
+    not by the end)."""
+    even = 1 / len(watched)
+    times = sorted({t for w in watched for t, _ in w.shares})
+    since = None
+    for t in times:
+        now = [next((v for u, v in reversed(w.shares) if u <= t), None) for w in watched]
+        ok = all(v is not None and abs(v - even) <= 0.05 for v in now)
+        since = (since if since is not None else t) if ok else None
+    return None if since is None else since - t0
+
+
+def spacings(url: str, interval: float, since: float, later: float) -> tuple[tuple[int, int], float]:
     """From the ``run`` table, since ``since`` (Unix time): how many times a backend was probed again sooner
-    than the lease allows (`canaryd.store.leases.spacing`), and the longest time between two probes of a
-    backend."""
+    than the lease allows (`canaryd.store.leases.spacing`, measured here between the runs' own starts,
+    which a loaded machine puts a little later than the lease's stamps) and sooner than half an interval
+    (twice in one interval); and the longest time between two probes of a backend in the second half of
+    the run (``later`` on: the first pass's first contact is over)."""
     engine = create_engine(url)
     with engine.connect() as c:
         sql = "SELECT backend, extract(epoch FROM started_at) FROM run ORDER BY started_at"
-        rows = [(b, t) for b, t in c.execute(text(sql)) if float(t) >= since]
+        rows = [(b, float(t)) for b, t in c.execute(text(sql)) if float(t) >= since]
     engine.dispose()
     last: dict[str, float] = {}
-    close, gap = 0, 0.0
+    close, half, gap = 0, 0, 0.0
     for b, t in rows:
         if b in last:
-            close += float(t) - last[b] < spacing(interval)
-            gap = max(gap, float(t) - last[b])
-        last[b] = float(t)
-    return close, gap
+            close += t - last[b] < spacing(interval)
+            half += t - last[b] < interval / 2
+            if last[b] >= later:
+                gap = max(gap, t - last[b])
+        last[b] = t
+    return (close, half), gap
 
 
 def main() -> None:
@@ -302,6 +332,7 @@ def main() -> None:
     ap.add_argument("--daemons", default="1,3", help="daemon counts of the large config, comma-separated")
     ap.add_argument("--sqlite", action="store_true", help="a one-daemon large row on SQLite too")
     ap.add_argument("--quick", action="store_true", help="200 backends, 3 passes at 20 s")
+    ap.add_argument("--scrape", type=float, default=15.0, help="seconds between two reads of /metrics")
     ap.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve:
@@ -322,10 +353,11 @@ def main() -> None:
     finally:
         for p in procs:
             p.kill()
-    print("\nside by side (CPU per probe over the passes after the first; RSS after the first pass -> last)")
+    print("\nside by side (CPU per probe over the passes after the first; RSS after the first pass -> last;")
+    print("doubles: probes sooner than the lease's spacing / than half an interval; longest gap: 2nd half)")
     print(
         f"{'config':<10}{'daemon':>7}{'backends':>9}{'probes/pass':>12}{'overran':>10}{'longest pass':>14}"
-        f"{'share':>8}{'RSS MiB':>16}{'CPU ms/probe':>14}{'doubles':>9}{'longest gap':>13}"
+        f"{'share':>8}{'RSS MiB':>16}{'CPU ms/probe':>14}{'doubles':>12}{'longest gap':>13}"
     )
     for r in results:
         share = f"{r['share']:.1%}" if r["share"] is not None else "-"
@@ -333,7 +365,7 @@ def main() -> None:
             f"{r['label']:<10}{r['daemon']:>7}{r['backends']:>9}{r['backends'] * args.canaries:>12}"
             f"{r['overran']:>6} of {r['passes']}{r['longest_s']:>12.1f} s{share:>8}"
             f"{r['rss_first_mib']:>8.1f} ->{r['rss_mib']:>6.1f}{r['cpu_ms_per_probe']:>14.2f}"
-            + (f"{r['doubles']:>9}{r['gap_s']:>11.1f} s" if r["doubles"] is not None else "")
+            + (f"{'{} / {}'.format(*r['doubles']):>12}{r['gap_s']:>11.1f} s" if r["doubles"] else "")
         )
 
 

@@ -10,9 +10,10 @@ about 40,000 series instead of 300,000 (``bench/metrics_bench.py``).
 Every family is declared once, in `canaryd.daemon.metric_table`: this module creates them from it and
 removes a backend's series by it.
 
-The exposition is rendered once per probe pass (`Metrics.publish`, which the daemon calls after recording
-a pass) and the metrics server returns those cached bytes (`Metrics.exposition`); only canaryd's own few
-series (process, build, schedules, reloads) are rendered on each scrape. ``registry`` still holds every
+The exposition is rendered at most once per probe pass (`Metrics.publish`, which the daemon calls after
+recording a pass, marks it due; the first scrape after renders it) and the metrics server returns those
+cached bytes (`Metrics.exposition`); only canaryd's own few series (process, build, schedules, reloads)
+are rendered on each scrape. ``registry`` still holds every
 series, for tests and tools that read samples one by one.
 
 Labels are bounded: ``backend`` and ``canary`` come from the config, ``verdict`` and ``reason`` are
@@ -110,6 +111,7 @@ class Metrics:
         self._publishing = threading.Lock()  # publishes in turn: a slow one never replaces a newer cache
         self._pairs: dict[tuple[str, str], Pair] = {}
         self._cache = EMPTY
+        self._due = False  # a publish since the last render (`_rendered`)
         live, per_pass = self._live, self._per_pass
 
         self._add(live, ProcessCollector(registry=None))  # process_resident_memory_bytes & co
@@ -343,19 +345,30 @@ class Metrics:
 
     # -- the exposition -------------------------------------------------------------------------------
     def publish(self) -> None:
-        """Render what the passes recorded, once, for every scrape until the next publish."""
-        with self._publishing:
-            with self._lock:  # recording waits only for the render, not for the compression
-                pairs = render_pairs(self._pairs.values())
-                text = generate_latest(self._per_pass)
-                om = openmetrics.generate_latest(self._per_pass)[: -len(EOF)]
-            # one assignment: a scrape sees the old cache or the new one, whole
-            self._cache = Cache(Tail.of(text + pairs), Tail.of(om + pairs + EOF))
+        """What the passes recorded is ready to show: the next scrape renders it, once, for every scrape
+        until the next publish. Rendering at the scrape, not here, bounds the renders by the scrapes: a
+        daemon of a thousand backends ends tens of passes a minute (takeovers, phases), and a render at
+        each cost it a third of its CPU."""
+        self._due = True
+
+    def _rendered(self) -> Cache:
+        """The cache, rendered first if a publish came since the last render."""
+        if self._due:
+            with self._publishing:
+                if self._due:
+                    self._due = False  # before the render: a publish during it renders again next time
+                    with self._lock:  # recording waits only for the render, not for the compression
+                        pairs = render_pairs(self._pairs.values())
+                        text = generate_latest(self._per_pass)
+                        om = openmetrics.generate_latest(self._per_pass)[: -len(EOF)]
+                    # one assignment: a scrape sees the old cache or the new one, whole
+                    self._cache = Cache(Tail.of(text + pairs), Tail.of(om + pairs + EOF))
+        return self._cache
 
     def exposition(self, accept: str = "", gzipped: bool = False) -> tuple[bytes, str]:
         """The body of a scrape and its content type: canaryd's own series rendered now, then the cached
         pass. OpenMetrics if the scraper accepts it (as Prometheus does), else the text format 0.0.4."""
-        cache = self._cache
+        cache = self._rendered()
         if "application/openmetrics-text" in accept:
             live = openmetrics.generate_latest(self._live)[: -len(EOF)]
             return cache.openmetrics.after(live, gzipped), openmetrics.CONTENT_TYPE_LATEST

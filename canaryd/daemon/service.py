@@ -38,6 +38,7 @@ from pathlib import Path
 
 import structlog
 from apscheduler.events import EVENT_JOB_MAX_INSTANCES, EVENT_JOB_MISSED, JobExecutionEvent
+from apscheduler.executors.pool import ThreadPoolExecutor as PassThreadPool
 from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.cron import CronTrigger
 from apscheduler.triggers.date import DateTrigger
@@ -68,6 +69,10 @@ TAKEOVER_DELAY_S = 0.1
 # ... and this long before the holder's next pass is due: a killed holder's lease ends with its presence
 # (`canaryd.store.leases`), so its pass is taken on time; a live holder's claim is refused, harmlessly.
 TAKEOVER_EARLY_S = 0.25
+# Passes that may run at once (each a thread waiting for its backends on the pool): APScheduler's default of
+# 10 let a daemon that took a long pass's share (tens of takeover and phase passes) queue its regular pass
+# behind them, which then counted as running and skipped its next turns.
+PASS_THREADS = 64
 TAKEOVER = "takeover:"  # the prefix of a takeover pass's job id
 PHASE = "phase:"  # ... and of a pass that keeps backends probed too soon by a regular one on their own phase
 
@@ -119,7 +124,9 @@ class Daemon:
         self._in_flight = 0  # passes running, of any generation (what a stop waits for)
         self._idle = threading.Condition()
         self.scheduler = BackgroundScheduler(
-            timezone=UTC, job_defaults={"coalesce": True, "max_instances": 1}
+            timezone=UTC,
+            job_defaults={"coalesce": True, "max_instances": 1},
+            executors={"default": PassThreadPool(PASS_THREADS)},
         )
         self.scheduler.add_listener(self._missed, EVENT_JOB_MISSED | EVENT_JOB_MAX_INSTANCES)
         self.httpd = None
@@ -163,7 +170,7 @@ class Daemon:
             }
             # each backend on its own: one that fails (probing, storing or recording) costs its own
             # series, and its canaries count as failed probes, so the failing-probes alert sees it
-            self.tenure.keep(gen.lease_s, futures, finished, lambda: self.gate.done)
+            self.tenure.keep(gen.lease_s, futures, lambda: self.gate.done, gen.plan)
             for b, f in futures.items():
                 try:
                     run = f.result()
@@ -231,8 +238,7 @@ class Daemon:
         except Exception:
             log.exception("lease.claim_failed", backends=sorted(work))
             return {}, {}
-        for b in sorted(set(work) - kept - set(early)):
-            log.warning("lease.lost", backend=b, reason="taken before its probe")
+        self.tenure.lose(set(work) - kept - set(early), "taken before its probe")
         return {b: cs for b, cs in work.items() if b in kept}, early
 
     def _respace(self, gen: Generation, schedule: str, early: dict[str, float]) -> None:
@@ -240,12 +246,15 @@ class Daemon:
         its last probe instead, by a pass of its own (`_rephase`), and so on every interval: the regular
         passes neither claim nor probe it meanwhile (a takeover's phase is its previous holder's)."""
         interval = gen.interval_s[schedule]
+        # phases within half the spacing's slack share a pass: each is still probed more than its spacing
+        # after its last probe, and a thousand backends taken from a long pass make tens of passes
+        step = (interval - gen.spacing_s[schedule]) / 2
         self.metrics.schedule_respaced.labels(schedule).inc(len(early))
         with self._choosing:
             self._phased |= set(early)
         groups: dict[float, list[str]] = {}
-        for b, age in early.items():  # age < spacing <= interval - its slack: the wait is positive
-            groups.setdefault(math.floor((interval - age) * 10) / 10, []).append(b)
+        for b, age in early.items():  # age < spacing = interval - 2 × step: the wait is positive
+            groups.setdefault(math.floor((interval - age) / step) * step, []).append(b)
         for wait, group in groups.items():
             log.debug("pass.respaced", schedule=schedule, backends=sorted(group), wait_s=wait)
             self._later(PHASE, schedule, group, wait, phase=True)
@@ -276,7 +285,7 @@ class Daemon:
         set out: in a long pass the next probe is spaced from this one's actual start."""
         try:
             if not self.store.started_probe(backend, gen.lead.get(backend) == schedule):
-                log.warning("lease.lost", backend=backend, reason="taken before its probe")
+                self.tenure.lose({backend}, "taken before its probe")
                 return None
         except Exception:
             log.exception("lease.claim_failed", backends=[backend])

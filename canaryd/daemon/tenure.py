@@ -27,6 +27,7 @@ class Tenure:
     def __init__(self, store: Store, metrics: Metrics) -> None:
         self.store, self.metrics = store, metrics
         self.holders: dict[str, str | None] = {}  # backend -> its holder at the last claim
+        self._plan: Plan | None = None  # the plan of the last claim (what the share is of)
         self._lock = threading.Lock()  # passes of several schedules claim at once
 
     def claim(
@@ -61,6 +62,7 @@ class Tenure:
                 else:
                     log.info("lease.held_elsewhere", backend=b, holder=holder)
             if plan is not None:
+                self._plan = plan
                 self._share(plan)
         held = {b for b, lease in leases.items() if lease.holder == me}
         return held, {b: lease.ends_in for b, lease in leases.items() if b not in held}
@@ -78,16 +80,19 @@ class Tenure:
         self,
         lease_s: Mapping[str, float],
         futures: Mapping[str, Future],
-        finished: Mapping[str, float],
         progress: Callable[[], int],
+        plan: Plan | None = None,
     ) -> None:
-        """Wait for the pass's backends, renewing the leases of those not finished every `RENEW` of their
-        lease while the daemon makes progress (``progress``, its requests answered, moved since the last
-        renewal): a pass longer than its lease (a first contact's baselines, a slow server) keeps the
-        backends it has yet to probe, in one statement per renewal. Only a lease that would end before
+        """Wait for the pass's backends, renewing their leases every `RENEW` of a lease while the daemon
+        makes progress (``progress``, its requests answered, moved since the last renewal): a pass longer
+        than its lease (a first contact's baselines, a slow server) keeps its backends, in one statement per
+        renewal, those it has probed too (their next pass comes when this one ends; let go, they went to
+        whichever daemon claimed first, and came back a pass later). Only a lease that would end before
         the next renewal (with half a period to spare) is extended: a pass of usual length leaves its
-        leases as claimed, so the others' takeovers stay timed on its holder's passes. A hung daemon
-        renews nothing, and its leases end at their expiry."""
+        leases as claimed, so the others' takeovers stay timed on its holder's passes; and with the
+        fleet's ``plan``, only those of backends that hash here (one another live daemon owns is taken
+        at this one's next due pass, `Store.renew_leases`). A hung daemon renews nothing, and its leases
+        end at their expiry."""
         if not futures or not self.store.leased:
             wait(futures.values())
             return
@@ -102,15 +107,27 @@ class Tenure:
                 log.info("lease.not_renewed", reason="no request answered", pending=len(pending))
                 continue
             seen = progress()
-            rest = {b: lease_s[b] for b in futures if b not in finished}
+            rest = {b: lease_s[b] for b in futures}
             try:
-                kept = self.store.renew_leases(rest, within=period * 1.5)
+                kept = self.store.renew_leases(rest, within=period * 1.5, plan=plan)
             except Exception:
                 log.exception("lease.renew_failed", backends=len(rest))
                 continue
             log.debug("lease.renewed", backends=len(kept))
-            for b in sorted(set(rest) - kept):
-                log.warning("lease.lost", backend=b, reason="taken during its pass")
+            self.lose(set(rest) - kept, "taken during its pass")
+
+    def lose(self, backends: set[str], reason: str) -> None:
+        """Backends taken from this daemon since its last claim (found as a pass sets out, a worker starts
+        one, or a renewal): logged, and no longer exported as held, nor counted in its share."""
+        me = self.store.lease_holder
+        with self._lock:
+            for b in sorted(backends):
+                log.warning("lease.lost", backend=b, reason=reason)
+                if self.holders.get(b) == me:
+                    self.holders[b] = None  # held elsewhere: the next claim says by whom
+                    self.metrics.set_lease(b, False)
+            if self._plan is not None and backends:
+                self._share(self._plan)
 
     def forget(self, backends: set[str]) -> None:
         """Backends a reload removed: their leases end now, and a later reload that adds one back starts

@@ -34,20 +34,22 @@ presence is recorded only while it is visible through the database's own connect
 hides it leaves the column NULL, and that holder's leases simply expire). SQLite keeps the single-daemon
 behaviour: no lease is written and every backend is this daemon's.
 
-**Shares.** With a `Plan` (the daemon's claims), the fleet shares the backends: each claim first records
-this daemon in the ``daemon`` table (its presence, its last claim ``seen``, its shortest lease), reads the
-live daemons (presence showing, ``seen`` within their lease) and computes who probes each backend
-(`canaryd.shares.assign`: every daemon computes the same from the same rows). A backend that hashes to
-this daemon but is held by another live one is taken from it at its holder's next pass (from `EARLY_S`
-before it is due: the holder probed it an interval ago, and does not probe it again, since its own claim
-then finds it taken): the handover needs no release, so it only happens once the new owner is live and
-asking, and no pass is missed or doubled. Whoever probes a backend, the next probe comes no sooner than its
-`spacing` after the last (``lease.probed``, `Leases.start_probes`): a new owner's regular pass, whose phase
-is not its previous holder's, skips it, and the daemon probes it on that phase instead. Any other backend
-is claimed as before (free, expired, or its holder's presence gone, at its next pass), so nothing waits for
-its owner to come. A daemon that stops
-deletes its row and marks its leases with its presence, which its store then closes: they are taken at its
-next passes, as a killed one's are; a killed one's row stays (not live) until pruned.
+**Shares.** With a `Plan` (the daemon's claims), the fleet shares the backends: each claim first records this
+daemon in the ``daemon`` table (its presence, its last claim or renewal ``seen``, its shortest lease), reads
+the live daemons (presence showing, ``seen`` within their lease) and computes who probes each backend
+(`canaryd.shares.assign`: every daemon computes the same from the same rows). A backend that hashes to this
+daemon but is held by another live one is taken from it at its holder's next pass (from `EARLY_S` before it is
+due: the holder probed it an interval ago, and does not probe it again, since its own claim then finds it
+taken): the handover needs no release, so it only happens once the new owner is live and asking, and no pass
+is missed or doubled. The holder's claims no longer renew that lease, so a takeover pass that a loaded machine
+starts after the holder's claim still takes it (the holder probes it meanwhile; the new owner then finds it
+probed too recently, and probes it on that phase). Whoever probes a backend, the next probe comes no sooner
+than its `spacing` after the last (``lease.probed``, `Leases.start_probes`): a new owner's regular pass, whose
+phase is not its previous holder's, skips it, and the daemon probes it on that phase instead. Any other
+backend is claimed as before (free, expired, or its holder's presence gone, at its next pass), so nothing
+waits for its owner to come. A daemon that stops deletes its row and marks its leases with its presence, which
+its store then closes: they are taken at its next passes, as a killed one's are; a killed one's row stays (not
+live) until pruned.
 """
 
 from __future__ import annotations
@@ -136,7 +138,8 @@ FROM unnest(CAST(:backends AS text[]), CAST(:seconds AS float8[]), CAST(:weights
 ON CONFLICT (backend) DO UPDATE
 SET holder = excluded.holder, expires = excluded.expires, presence = excluded.presence,
     weight = excluded.weight
-WHERE lease.expires < now() OR lease.holder = excluded.holder{{gone}}
+WHERE lease.expires < now()
+   OR (lease.holder = excluded.holder AND lease.backend <> ALL(CAST(:theirs AS text[]))){{gone}}
 RETURNING backend
 """
 # With a `Plan`, a gone holder's leases are `_TAKE`n at its next pass; without one (no grace known), at once.
@@ -241,7 +244,9 @@ class Leases(Connected):
         """Take or renew the lease of each backend (for its number of seconds from now, on the database's
         clock) unless another live holder has it, or, with a `Plan`, unless it hashes to this daemon and
         its holder's next pass is due; every backend's lease after the claim (held by `lease_holder` where
-        this process got it)."""
+        this process got it). With a `Plan`, a lease this daemon holds of a backend that hashes to another
+        live daemon is not renewed: it stays this daemon's until that one takes it, which it may from
+        then on, however late its takeover pass comes (a loaded machine delays it past this claim)."""
         if not self.leased:
             return {b: Lease(self.lease_holder, s) for b, s in seconds.items()}
         names = sorted(seconds)  # one lock order for every claimer: overlapping claims cannot deadlock
@@ -252,11 +257,13 @@ class Leases(Connected):
             "backends": names,
             "seconds": [float(seconds[b]) for b in names],
             "weights": [plan.weight.get(b) if plan else None for b in names],
+            "theirs": [],
         }
         if plan is not None:  # its own transaction: the claim below locks the rows in one statement
             self._heartbeat(plan, presence)
             with self.engine.begin() as conn:
                 ours = self._ours(conn, plan)
+                params["theirs"] = sorted(set(names) & set(plan.weight) - set(ours))
                 graces = [float(plan.grace[b]) for b in names]
                 lock = {k: params[k] for k in ("holder", "backends", "seconds")}
                 lock.update(graces=graces, ours=ours)
@@ -307,23 +314,35 @@ class Leases(Connected):
         with self.engine.begin() as conn:
             return conn.execute(_STARTED, params).first() is not None
 
-    def renew_leases(self, seconds: Mapping[str, float], within: float = math.inf) -> set[str]:
+    def renew_leases(
+        self, seconds: Mapping[str, float], within: float = math.inf, plan: Plan | None = None
+    ) -> set[str]:
         """Extend this daemon's leases of the backends a working pass has yet to finish that end within
         ``within`` seconds (each to at least its number of seconds from now), in one statement; those
         still held. A lease is extended only when it must be: the others' takeovers are timed from its
-        end, so a pass of usual length leaves it as claimed. Only a pass that makes progress renews
-        (`canaryd.daemon.service`): a hung one's leases end at their expiry."""
+        end, so a pass of usual length leaves it as claimed. With a `Plan`, only the leases of backends
+        that hash here (to the live set read now) are extended: one that hashes to another live daemon
+        is left to end, and that daemon takes it when this one's next pass was due, however long this
+        pass runs (a worker that has yet to start it then finds it taken); and the renewal records this
+        daemon live, as a claim does (a pass longer than its lease does not drop it from the live set).
+        Only a pass that makes progress renews (`canaryd.daemon.service`): a hung one's leases end at
+        their expiry, and it leaves the live set as its last renewal ages."""
         if not self.leased or not seconds:
             return set(seconds)
-        names = sorted(seconds)
-        params = {
-            "holder": self.lease_holder,
-            "backends": names,
-            "seconds": [float(seconds[b]) for b in names],
-            "within": min(within, 1e9),
-        }
+        if plan is not None:  # a pass making progress keeps its daemon live, however long it runs
+            self._heartbeat(plan, self._present())
         with self.engine.begin() as conn:
-            return set(conn.execute(_RENEW, params).scalars())
+            if plan is not None:
+                ours = set(self._ours(conn, plan))
+                seconds = {b: s for b, s in seconds.items() if b in ours or b not in plan.weight}
+            names = sorted(seconds)
+            params = {
+                "holder": self.lease_holder,
+                "backends": names,
+                "seconds": [float(seconds[b]) for b in names],
+                "within": min(within, 1e9),
+            }
+            return set(conn.execute(_RENEW, params).scalars()) if names else set()
 
     def _heartbeat(self, plan: Plan, presence: str | None) -> None:
         """Record this daemon as live (and prune the dead), in a transaction of its own: the claims of this

@@ -21,8 +21,9 @@ import structlog
 from sqlalchemy import text
 
 from canaryd.daemon.service import Daemon
+from canaryd.shares import assign
 from canaryd.store import Store, lease_seconds
-from canaryd.store.leases import presence_name
+from canaryd.store.leases import Plan, presence_name
 from tests.harness.fleet import Fleet, doubles, gaps_after
 from tests.harness.postgres import PostgresServer
 from tests.harness.scripted_lab import ScriptedLab, scripted
@@ -216,6 +217,35 @@ def test_a_working_pass_renews_what_it_has_yet_to_probe_and_stamps_each_probe_as
         with a.engine.connect() as c:
             age = dict(c.execute(text("SELECT backend, extract(epoch FROM now() - probed) FROM lease")).all())
         assert age["x"] < 5 and age["y"] >= 30 and age["z"] >= 30  # only x's probe began now
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_renewal_leaves_the_leases_another_live_daemon_owns_to_end(pg):
+    """With the fleet's plan, a long pass renews only the backends that hash to its daemon (one owned by
+    another live daemon is left to end, so that daemon takes it at the holder's next due pass), and records
+    its daemon live."""
+    url = pg.create_database("renewal_plan")
+    a, b = Store(url, "a"), Store(url, "b")
+    plan = Plan({"x": 1.0, "y": 1.0}, {"x": 1.0, "y": 1.0}, 60.0)
+    try:
+        assert set(a.claim_leases({"x": 60, "y": 60}, plan)) == {"x", "y"}  # a alone: both
+        assert b.claim_leases({"x": 60, "y": 60}, plan)["x"].holder == a.lease_holder  # b is live now
+        owner = assign(plan.weight, [a.lease_holder, b.lease_holder])
+        mine = {k for k, d in owner.items() if d == a.lease_holder}
+        assert len(mine) == 1  # one each
+        with a.engine.begin() as c:  # a's last claim was 30 s ago
+            c.execute(text("UPDATE daemon SET seen = now() - interval '30 seconds'"))
+        assert a.renew_leases({"x": 120, "y": 120}, plan=plan) == mine
+        with a.engine.connect() as c:  # the renewal recorded a live again: a long pass stays in the live set
+            seen = dict(c.execute(text("SELECT holder, extract(epoch FROM now() - seen) FROM daemon")).all())
+        assert seen[a.lease_holder] < 5 and seen[b.lease_holder] >= 30
+        with a.engine.connect() as c:
+            left = dict(
+                c.execute(text("SELECT backend, extract(epoch FROM expires - now()) FROM lease")).all()
+            )
+        assert all(left[k] > 100 for k in mine) and all(left[k] < 61 for k in {"x", "y"} - mine)
     finally:
         a.close()
         b.close()

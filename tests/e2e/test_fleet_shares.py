@@ -220,6 +220,30 @@ def test_a_backend_moves_to_the_daemon_it_hashes_to_only_when_its_holders_next_p
         b.close()
 
 
+def test_a_takeover_that_comes_after_the_holders_claim_still_takes_its_share(pg):
+    """On a loaded machine the new owner's takeover pass may start after its holder's claim: that claim
+    keeps the backends (its pass probes them) but no longer renews those that hash to the live new owner,
+    so the late takeover still takes exactly them."""
+    url = pg.create_database("late_takeover")
+    weight = {f"b{i}": 60.0 for i in range(10)}
+    plan = Plan(weight, dict.fromkeys(weight, 1.0), 3.0)  # lease 3 s: interval 2 s + 1 s grace
+    seconds = dict.fromkeys(weight, 3.0)
+    a, b = Store(url, "a"), Store(url, "b")
+    try:
+        a.claim_leases(seconds, plan)
+        b.claim_leases(seconds, plan)  # b is live; a's next pass is not due
+        time.sleep(3.0 - 1.0 - EARLY_S + 0.1)  # a's next pass is due, and its claim comes first
+        claimed = a.claim_leases(seconds, plan)
+        assert {x.holder for x in claimed.values()} == {a.lease_holder}  # a still holds all ten
+        left = {k for k, x in claimed.items() if x.ends_in < 2.0}  # ... renewing only its own half
+        assert len(left) == 5
+        got = {k for k, x in b.claim_leases(seconds, plan).items() if x.holder == b.lease_holder}
+        assert got == left
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_gone_holders_backends_are_taken_at_its_next_pass_never_sooner(pg):
     """A holder that renewed its leases and set out to probe the backends, then died or stopped, is not
     followed by a second probe in that interval: though its presence is gone at once (killed: the server

@@ -21,7 +21,7 @@ from canaryd.daemon.metrics import Metrics
 from canaryd.daemon.service import Daemon
 from canaryd.daemon.tenure import Tenure
 from canaryd.store import Store, lease_seconds
-from canaryd.store.leases import GRACE_MAX_S, GRACE_MIN_S, Lease
+from canaryd.store.leases import GRACE_MAX_S, GRACE_MIN_S, Lease, Plan
 from tests.harness.scripted_lab import ScriptedLab, scripted
 from tests.unit.test_metrics import PER_BACKEND, families_of, populated
 from tests.unit.test_scripted_daemon import IDS, daemon, passes, port, value, wait  # noqa: F401 (fixture)
@@ -101,30 +101,29 @@ class FleetStore:
         return (self.lease_holder,)
 
 
-def test_a_working_pass_renews_what_it_has_yet_to_finish_only_while_requests_are_answered():
+def test_a_working_pass_renews_its_backends_only_while_requests_are_answered():
     """`Tenure.keep`: while nothing is answered (a hung daemon) no lease is renewed; once requests are
-    answered, every third of a lease the backends not finished yet are renewed, in one call; those the
-    renewal no longer finds held are logged lost. (The statement itself: tests/e2e/test_failover.py.)"""
+    answered, every third of a lease the pass's backends are renewed, in one call, a finished one too (its
+    next pass comes when this one ends); those the renewal no longer finds held are logged lost. (The
+    statement itself: tests/e2e/test_failover.py.)"""
     fleet, renewed, answered = FleetStore(), [], [0]
-    fleet.renew_leases = lambda seconds, within: renewed.append(dict(seconds)) or set(seconds) - {"c"}
+    fleet.renew_leases = lambda seconds, within, plan: renewed.append(dict(seconds)) or set(seconds) - {"c"}
     futures = {b: Future() for b in ("a", "b", "c")}
-    finished: dict[str, float] = {}
     keep = threading.Thread(
         target=Tenure(fleet, Metrics()).keep,
-        args=(dict.fromkeys(futures, 0.3), futures, finished, lambda: answered[0]),
+        args=(dict.fromkeys(futures, 0.3), futures, lambda: answered[0]),
     )
     with structlog.testing.capture_logs() as logs:
         keep.start()
         wait("a check without progress", lambda: any(e["event"] == "lease.not_renewed" for e in logs))
         assert renewed == []  # hung: its leases end at their expiry
-        finished["a"] = 0.0
         futures["a"].set_result(None)
         answered[0] = 3
         wait("a renewal", lambda: renewed)
         for f in ("b", "c"):
             futures[f].set_result(None)
         keep.join()
-    assert renewed[0] == {"b": 0.3, "c": 0.3}  # not a: finished
+    assert renewed[0] == {"a": 0.3, "b": 0.3, "c": 0.3}  # a finished: kept for the next pass
     assert [e["backend"] for e in logs if e["event"] == "lease.lost"] == ["c"]
 
 
@@ -151,6 +150,25 @@ def test_the_daemon_logs_and_exports_each_change_of_what_it_holds():
     ]
     assert logs[3]["previous"] == "other#2" and logs[2]["holder"] == "other#2"
     assert (held("a"), held("b")) == (0, 1)  # a failed claim changes no series: they age instead
+
+
+def test_a_lease_lost_between_claims_is_exported_at_once_with_the_share_it_leaves():
+    """A backend taken as a pass sets out, as a worker starts it, or at a renewal (`Tenure.lose`) is no
+    longer exported as held, and the daemon's share of the plan drops with it, before its next claim."""
+    fleet, metrics = FleetStore(), Metrics()
+    tenure = Tenure(fleet, metrics)
+    fleet.holders = {"a": "me#1", "b": "me#1", "c": "other#2"}
+    plan = Plan({"a": 3.0, "b": 1.0, "c": 4.0}, dict.fromkeys("abc", 1.0), 2.5)
+    get = metrics.registry.get_sample_value
+    assert tenure.claim(dict.fromkeys("abc", 2.5), ["a", "b", "c"], plan)[0] == {"a", "b"}
+    assert get("canaryd_fleet_weight_share") == 0.5 and get("canaryd_fleet_backends_held") == 2
+    with structlog.testing.capture_logs() as logs:
+        tenure.lose({"a"}, "taken before its probe")
+    assert [(e["event"], e["backend"], e["reason"]) for e in logs] == [
+        ("lease.lost", "a", "taken before its probe")
+    ]
+    assert get("canaryd_backend_lease_held", {"backend": "a"}) == 0
+    assert get("canaryd_fleet_weight_share") == 1 / 8 and get("canaryd_fleet_backends_held") == 1
 
 
 def test_a_lease_taken_by_another_daemon_leaves_only_the_series_the_metric_table_keeps():
@@ -229,7 +247,8 @@ def test_a_backend_probed_too_recently_is_probed_on_its_own_phase_instead(tmp_pa
         (job,) = d.scheduler.get_jobs()
         assert job.id == "phase:fast:fake" and job.args == ("fast", ("fake",), True)
         wait = (job.trigger.run_date - datetime.now(UTC)).total_seconds()
-        assert 3600 - 40 - 5 < wait <= 3600 - 40  # on the last probe's phase
+        # on the last probe's phase, within half the spacing's slack (90 s): still spaced as the lease says
+        assert 3600 - 40 - 90 - 5 < wait <= 3600 - 40 and 40 + wait > 3600 - 180
         (respaced,) = [e for e in logs if e["event"] == "pass.respaced"]
         assert respaced["log_level"] == "debug" and respaced["backends"] == ["fake"]
         assert value(d, "canaryd_schedule_respaced_total", schedule="fast") == 1
@@ -246,5 +265,8 @@ def test_a_backend_probed_too_recently_is_probed_on_its_own_phase_instead(tmp_pa
         with structlog.testing.capture_logs() as logs:
             d._job("fast")  # a regular pass leaves it to its phase
         assert not [e for e in logs if e["event"] == "pass.start"]
+        d.scheduler.remove_all_jobs()
+        d._respace(d.gen, "fast", {"a": 40.0, "b": 41.0, "c": 400.0})  # phases a second apart share a pass
+        assert sorted(j.args[1] for j in d.scheduler.get_jobs()) == [("a", "b"), ("c",)]
     finally:
         d.stop()
