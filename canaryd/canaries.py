@@ -42,7 +42,6 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Literal, Self
 
-import regex as rx  # the `regex` package: a match time bound that releases the GIL
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -56,8 +55,12 @@ from pydantic import (
 from canaryd.conform import EFFORTS, Conform
 from canaryd.errors import InputError, describe_validation_error
 from canaryd.files import read_regular
+from canaryd.lazy import lazy_import
 from canaryd.regexrisk import backtracking_risk
 from canaryd.toolcalls import ExpectedCall, Tool, ToolChoice, check_tools
+
+# the `regex` package (a match time bound that releases the GIL), loaded by the first suite that has a regex
+rx = lazy_import("regex")
 
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$"
 _NUMBER = re.compile(r"[-+]?\d+(?:[.,]\d+)?(?:[eE][-+]?\d+)?")

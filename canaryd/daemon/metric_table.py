@@ -19,7 +19,7 @@ class Scope(enum.Enum):
     """Where a series lives, which is when it is rendered."""
 
     LIVE = "live"  # canaryd's own (schedules, reloads, build): rendered on every scrape
-    PASS = "pass"  # per backend: rendered once per probe pass (`Metrics.publish`)
+    PASS = "pass"  # per backend: rendered at most once per probe pass (`Metrics.publish`)
     PAIR = "pair"  # per canary × backend: rendered by hand with the pass (`exposition.render_pairs`)
 
 

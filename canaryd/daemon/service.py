@@ -16,7 +16,7 @@ while the scheduler thread lives.
 
 Fleets: daemons sharing one PostgreSQL database claim each pass's backends first (`canaryd.store.leases`)
 and probe only those they hold, so each backend is probed by one live daemon per interval; a pass still
-working renews the leases it has yet to probe (`Tenure.keep`), and a clean stop releases the leases.
+working renews its leases (`Tenure.keep`), and a clean stop releases the leases.
 Every pass logs ``pass.start``/``pass.done`` per backend, with counts.
 
 Load: the passes' backends run on one pool of ``[daemon] max_in_flight`` threads, and every request holds

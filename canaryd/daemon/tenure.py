@@ -16,7 +16,7 @@ from canaryd.store.leases import Plan
 
 log = structlog.get_logger("canaryd.daemon")
 
-# A pass still working renews the leases of the backends it has yet to finish this share of a lease apart.
+# A pass still working renews the leases of its backends this share of a lease apart.
 RENEW = 1 / 3
 
 

@@ -27,8 +27,7 @@ at the dead holder's next due time (`Daemon._claim`) probes the backend on time:
 the holder may have renewed it and probed the backend just before it died; unless it died between its
 claim and its probe (its pass marks ``lease.probed`` as it sets out, `start_probes`, and again as each
 backend's probes start, `started_probe`): then from an interval after its last probe, at once if it never
-probed. A pass longer than its lease renews the leases it has yet to probe while it makes progress
-(`renew_leases`). A hung
+probed. A pass longer than its lease renews its leases while it makes progress (`renew_leases`). A hung
 holder keeps its connection, hence its presence: its backends go when its leases end, as before. A
 presence is recorded only while it is visible through the database's own connections (a pooler that
 hides it leaves the column NULL, and that holder's leases simply expire). SQLite keeps the single-daemon
@@ -317,16 +316,16 @@ class Leases(Connected):
     def renew_leases(
         self, seconds: Mapping[str, float], within: float = math.inf, plan: Plan | None = None
     ) -> set[str]:
-        """Extend this daemon's leases of the backends a working pass has yet to finish that end within
-        ``within`` seconds (each to at least its number of seconds from now), in one statement; those
-        still held. A lease is extended only when it must be: the others' takeovers are timed from its
-        end, so a pass of usual length leaves it as claimed. With a `Plan`, only the leases of backends
-        that hash here (to the live set read now) are extended: one that hashes to another live daemon
-        is left to end, and that daemon takes it when this one's next pass was due, however long this
-        pass runs (a worker that has yet to start it then finds it taken); and the renewal records this
-        daemon live, as a claim does (a pass longer than its lease does not drop it from the live set).
-        Only a pass that makes progress renews (`canaryd.daemon.service`): a hung one's leases end at
-        their expiry, and it leaves the live set as its last renewal ages."""
+        """Extend this daemon's leases of a working pass's backends that end within ``within`` seconds (each
+        to at least its number of seconds from now), in one statement; those still held. A lease is extended
+        only when it must be: the others' takeovers are timed from its end, so a pass of usual length leaves
+        it as claimed. With a `Plan`, only the leases of backends that hash here (to the live set read now)
+        are extended: one that hashes to another live daemon is left to end, and that daemon takes it when
+        this one's next pass was due, however long this pass runs (a worker that has yet to start it then
+        finds it taken); and the renewal records this daemon live, as a claim does (a pass longer than its
+        lease does not drop it from the live set). Only a pass that makes progress renews
+        (`canaryd.daemon.service`): a hung one's leases end at their expiry, and it leaves the live set as its
+        last renewal ages."""
         if not self.leased or not seconds:
             return set(seconds)
         if plan is not None:  # a pass making progress keeps its daemon live, however long it runs
