@@ -13,8 +13,8 @@ removes a backend's series by it.
 The exposition is rendered at most once per probe pass (`Metrics.publish`, which the daemon calls after
 recording a pass, marks it due; the first scrape after renders it) and the metrics server returns those
 cached bytes (`Metrics.exposition`); only canaryd's own few series (process, build, schedules, reloads)
-are rendered on each scrape. ``registry`` still holds every
-series, for tests and tools that read samples one by one.
+are rendered on each scrape. ``registry`` still holds every series, for tests and tools that read samples
+one by one.
 
 Labels are bounded: ``backend`` and ``canary`` come from the config, ``verdict`` and ``reason`` are
 enums, and free text (answers, errors, prompts) never becomes a label. The stack ``_info`` series carries

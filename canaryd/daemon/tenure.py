@@ -85,9 +85,9 @@ class Tenure:
     ) -> None:
         """Wait for the pass's backends, renewing their leases every `RENEW` of a lease while the daemon
         makes progress (``progress``, its requests answered, moved since the last renewal): a pass longer
-        than its lease (a first contact's baselines, a slow server) keeps its backends, in one statement per
-        renewal, those it has probed too (their next pass comes when this one ends; let go, they went to
-        whichever daemon claimed first, and came back a pass later). Only a lease that would end before
+        than its lease (a first contact's baselines, a slow server) keeps its backends, the finished ones
+        too (their next pass comes when this one ends; let go, they went to whichever daemon claimed first
+        and came back a pass later), in one statement per renewal. Only a lease that would end before
         the next renewal (with half a period to spare) is extended: a pass of usual length leaves its
         leases as claimed, so the others' takeovers stay timed on its holder's passes; and with the
         fleet's ``plan``, only those of backends that hash here (one another live daemon owns is taken

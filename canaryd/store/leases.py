@@ -159,13 +159,15 @@ marked AS (
 SELECT mine.backend, marked.backend IS NOT NULL, extract(epoch FROM now() - mine.probed)
 FROM mine LEFT JOIN marked ON marked.backend = mine.backend
 """)
-# Extends this holder's leases of a pass still working (never shortens one), locked in the claimers' order.
+# Extends this holder's leases of a pass still working (never shortens one; a row whose ``renew`` is false
+# is only said held), locked in the claimers' order.
 _RENEW = text("""
 WITH mine AS (
-  SELECT lease.backend, t.s FROM lease
-  JOIN unnest(CAST(:backends AS text[]), CAST(:seconds AS float8[])) AS t(b, s) ON lease.backend = t.b
+  SELECT lease.backend, t.s, t.r FROM lease
+  JOIN unnest(CAST(:backends AS text[]), CAST(:seconds AS float8[]), CAST(:renew AS boolean[])) AS t(b, s, r)
+    ON lease.backend = t.b
   WHERE lease.holder = :holder ORDER BY lease.backend FOR UPDATE OF lease)
-UPDATE lease SET expires = CASE WHEN lease.expires < now() + make_interval(secs => :within)
+UPDATE lease SET expires = CASE WHEN mine.r AND lease.expires < now() + make_interval(secs => :within)
   THEN GREATEST(lease.expires, now() + make_interval(secs => mine.s)) ELSE lease.expires END FROM mine
 WHERE lease.backend = mine.backend
 RETURNING lease.backend
@@ -320,28 +322,27 @@ class Leases(Connected):
         to at least its number of seconds from now), in one statement; those still held. A lease is extended
         only when it must be: the others' takeovers are timed from its end, so a pass of usual length leaves
         it as claimed. With a `Plan`, only the leases of backends that hash here (to the live set read now)
-        are extended: one that hashes to another live daemon is left to end, and that daemon takes it when
-        this one's next pass was due, however long this pass runs (a worker that has yet to start it then
-        finds it taken); and the renewal records this daemon live, as a claim does (a pass longer than its
-        lease does not drop it from the live set). Only a pass that makes progress renews
-        (`canaryd.daemon.service`): a hung one's leases end at their expiry, and it leaves the live set as its
-        last renewal ages."""
+        are extended (the others still held are returned too): one that hashes to another live daemon is left
+        to end, and that daemon takes it when this one's next pass was due, however long this pass runs (a
+        worker that has yet to start it then finds it taken); and the renewal records this daemon live, as a
+        claim does (a pass longer than its lease does not drop it from the live set). Only a pass that makes
+        progress renews (`canaryd.daemon.service`): a hung one's leases end at their expiry, and it leaves the
+        live set as its last renewal ages."""
         if not self.leased or not seconds:
             return set(seconds)
         if plan is not None:  # a pass making progress keeps its daemon live, however long it runs
             self._heartbeat(plan, self._present())
+        names = sorted(seconds)
         with self.engine.begin() as conn:
-            if plan is not None:
-                ours = set(self._ours(conn, plan))
-                seconds = {b: s for b, s in seconds.items() if b in ours or b not in plan.weight}
-            names = sorted(seconds)
-            params = {
+            ours = set(self._ours(conn, plan)) if plan is not None else set(names)
+            params = {  # each backend's lease said held; only those that hash here extended
                 "holder": self.lease_holder,
                 "backends": names,
                 "seconds": [float(seconds[b]) for b in names],
+                "renew": [b in ours or plan is None or b not in plan.weight for b in names],
                 "within": min(within, 1e9),
             }
-            return set(conn.execute(_RENEW, params).scalars()) if names else set()
+            return set(conn.execute(_RENEW, params).scalars())
 
     def _heartbeat(self, plan: Plan, presence: str | None) -> None:
         """Record this daemon as live (and prune the dead), in a transaction of its own: the claims of this
