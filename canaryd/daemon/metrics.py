@@ -191,9 +191,10 @@ class Metrics:
         drops the backend's series the table marks `LeaseLoss.DROP` (its pairs, stack, detector,
         reachability, …), so that neither a verdict it no longer renews nor an ageing last-probe time
         stands for the backend: the holder exports them. Counters, the histogram, the interval and the
-        lease (now 0) stay. A change publishes at once."""
+        lease (now 0) stay. A change, or a drop, publishes at once."""
         with self._lock:
-            changed = self._lease.get(backend) is not held
+            # a drop shows at once even unchanged: a pass may have recorded the backend since it was lost
+            changed = self._lease.get(backend) is not held or not held
             self._lease[backend] = held
             if not held:
                 for key in [k for k in self._pairs if k[0] == backend]:
@@ -357,10 +358,14 @@ class Metrics:
             with self._publishing:
                 if self._due:
                     self._due = False  # before the render: a publish during it renders again next time
-                    with self._lock:  # recording waits only for the render, not for the compression
-                        pairs = render_pairs(self._pairs.values())
-                        text = generate_latest(self._per_pass)
-                        om = openmetrics.generate_latest(self._per_pass)[: -len(EOF)]
+                    try:
+                        with self._lock:  # recording waits only for the render, not for the compression
+                            pairs = render_pairs(self._pairs.values())
+                            text = generate_latest(self._per_pass)
+                            om = openmetrics.generate_latest(self._per_pass)[: -len(EOF)]
+                    except BaseException:
+                        self._due = True  # still due: the next scrape tries again
+                        raise
                     # one assignment: a scrape sees the old cache or the new one, whole
                     self._cache = Cache(Tail.of(text + pairs), Tail.of(om + pairs + EOF))
         return self._cache

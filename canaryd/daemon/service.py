@@ -16,7 +16,8 @@ while the scheduler thread lives.
 
 Fleets: daemons sharing one PostgreSQL database claim each pass's backends first (`canaryd.store.leases`)
 and probe only those they hold, so each backend is probed by one live daemon per interval; a pass still
-working renews its leases (`Tenure.keep`), and a clean stop releases the leases.
+working renews its leases (in a fleet, those of the backends that hash to it: `Tenure.keep`), and a clean
+stop releases the leases.
 Every pass logs ``pass.start``/``pass.done`` per backend, with counts.
 
 Load: the passes' backends run on one pool of ``[daemon] max_in_flight`` threads, and every request holds
@@ -185,7 +186,7 @@ class Daemon:
                         self.metrics.record_failed(b, ids)
                     except Exception:
                         log.exception("backend_pass_failed_unrecorded", backend=b)
-            self.metrics.publish()  # render the pass once; scrapes serve it until the next
+            self.metrics.publish()  # the next scrape renders the pass, once; later ones serve it
             if takeover is None:
                 self.metrics.schedule_last.labels(schedule).set(time.time())
             if takeover is None or phase:  # a phase pass carries a share of the schedule's work

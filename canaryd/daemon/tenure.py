@@ -98,6 +98,7 @@ class Tenure:
             return
         period = min(lease_s[b] for b in futures) * RENEW
         pending, due, seen = set(futures.values()), time.monotonic() + period, progress()
+        lost: set[str] = set()
         while pending:
             _, pending = wait(pending, timeout=max(due - time.monotonic(), 0.0))
             if not pending or time.monotonic() < due:
@@ -107,13 +108,14 @@ class Tenure:
                 log.info("lease.not_renewed", reason="no request answered", pending=len(pending))
                 continue
             seen = progress()
-            rest = {b: lease_s[b] for b in futures}
+            rest = {b: lease_s[b] for b in futures if b not in lost}
             try:
                 kept = self.store.renew_leases(rest, within=period * 1.5, plan=plan)
             except Exception:
                 log.exception("lease.renew_failed", backends=len(rest))
                 continue
             log.debug("lease.renewed", backends=len(kept))
+            lost |= set(rest) - kept
             self.lose(set(rest) - kept, "taken during its pass")
 
     def lose(self, backends: set[str], reason: str) -> None:
@@ -124,7 +126,8 @@ class Tenure:
             for b in sorted(backends):
                 log.warning("lease.lost", backend=b, reason=reason)
                 if self.holders.get(b) == me:
-                    self.holders[b] = None  # held elsewhere: the next claim says by whom
+                    # as never claimed: the next claim drops again the series a pass recorded since
+                    del self.holders[b]
                     self.metrics.set_lease(b, False)
             if self._plan is not None and backends:
                 self._share(self._plan)

@@ -142,16 +142,16 @@ def aligned(x: Point, b: Point) -> list[Key]:
 
 
 def distance(x: Point, b: Point, spread: Mapping[Key, float], default: float) -> float:
-    """RMS of the standardised logprob differences over the aligned coordinates (0 when none). One loop
-    over ``x``'s coordinates, summed in `aligned`'s order: the daemon scores every probe against each of
-    the K honest ones, and this is most of a calibrated judge's CPU."""
+    """RMS of the standardised logprob differences over the aligned coordinates (0 when none). One pass
+    over ``x``'s coordinates, the terms in `aligned`'s order and summed by `sum` as before: the daemon
+    scores every probe against each of the K honest ones, and this is most of a calibrated judge's CPU."""
     last, other, scale = common_prefix(x.ids, b.ids), b.coords, spread.get
-    total, n = 0.0, 0
-    for k, v in x.coords.items():
-        if k[0] <= last and (w := other.get(k)) is not None:
-            total += ((v - w) / scale(k, default)) ** 2
-            n += 1
-    return math.sqrt(total / n) if n else 0.0
+    terms = [
+        ((v - w) / scale(k, default)) ** 2
+        for k, v in x.coords.items()
+        if k[0] <= last and (w := other.get(k)) is not None
+    ]
+    return math.sqrt(sum(terms) / len(terms)) if terms else 0.0
 
 
 def max_abs_delta(x: Point, b: Point) -> float:

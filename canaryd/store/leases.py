@@ -5,10 +5,11 @@ of a pass before probing them, in one statement per pass::
 
     INSERT … ON CONFLICT (backend) DO UPDATE … WHERE lease.expires < now() OR lease.holder = me RETURNING
 
-so a backend goes to whoever asks first once its lease has run out, and its holder renews it on every
-pass; the statement is atomic (a concurrent claim of the same row waits for the first, then sees its
-result), and the expiry is on the database's clock (``now()``), so daemons whose clocks disagree still
-agree on who holds what. A clean stop ends the daemon's leases: the others take over at its next pass.
+so a backend goes to whoever asks first once its lease has run out, and its holder renews it on every pass (in
+a fleet, unless it hashes to another live daemon: *Shares*, below); the statement is atomic (a concurrent
+claim of the same row waits for the first, then sees its result), and the expiry is on the database's clock
+(``now()``), so daemons whose clocks disagree still agree on who holds what. A clean stop ends the daemon's
+leases: the others take over at its next pass.
 
 Why leases rather than session advisory locks (``pg_try_advisory_lock``): a lock lives as long as its
 connection. A SIGKILLed daemon's connection dies and its locks free, but a hung daemon (SIGSTOP, a frozen
@@ -41,14 +42,15 @@ daemon but is held by another live one is taken from it at its holder's next pas
 due: the holder probed it an interval ago, and does not probe it again, since its own claim then finds it
 taken): the handover needs no release, so it only happens once the new owner is live and asking, and no pass
 is missed or doubled. The holder's claims no longer renew that lease, so a takeover pass that a loaded machine
-starts after the holder's claim still takes it (the holder probes it meanwhile; the new owner then finds it
-probed too recently, and probes it on that phase). Whoever probes a backend, the next probe comes no sooner
-than its `spacing` after the last (``lease.probed``, `Leases.start_probes`): a new owner's regular pass, whose
-phase is not its previous holder's, skips it, and the daemon probes it on that phase instead. Any other
-backend is claimed as before (free, expired, or its holder's presence gone, at its next pass), so nothing
-waits for its owner to come. A daemon that stops deletes its row and marks its leases with its presence, which
-its store then closes: they are taken at its next passes, as a killed one's are; a killed one's row stays (not
-live) until pruned.
+starts after the holder's claim still takes it: if the holder's worker probed it meanwhile, the new owner
+finds it probed too recently and probes it on that phase; if not, the new owner probes it at once (the
+holder's pass marks it only as its worker starts it, `start_probes`). Whoever probes a backend, the next probe
+comes no sooner than its `spacing` after the last (``lease.probed``, `Leases.start_probes`): a new owner's
+regular pass, whose phase is not its previous holder's, skips it, and the daemon probes it on that phase
+instead. Any other backend is claimed as before (free, expired, or its holder's presence gone, at its next
+pass), so nothing waits for its owner to come. A daemon that stops deletes its row and marks its leases with
+its presence, which its store then closes: they are taken at its next passes, as a killed one's are; a killed
+one's row stays (not live) until pruned.
 """
 
 from __future__ import annotations
@@ -145,14 +147,16 @@ RETURNING backend
 _CLAIM = text(_CLAIM_SQL.format(gone=""))
 _CLAIM_GONE = text(_CLAIM_SQL.format(gone=f" OR {_GONE}"))
 # Marks the rows locked first in the claimers' one order (no deadlock with a claim or a take), those of them
-# whose last probe (whoever made it) is at least their spacing ago; a row without a spacing is not marked.
+# whose last probe (whoever made it) is at least their spacing ago; a row without a spacing, or not to be
+# stamped (``stamp``), is only checked.
 _PROBED = text("""
 WITH mine AS (
-  SELECT lease.backend, lease.probed, t.g FROM lease
-  JOIN unnest(CAST(:backends AS text[]), CAST(:spacing AS float8[])) AS t(b, g) ON lease.backend = t.b
+  SELECT lease.backend, lease.probed, t.g, t.st FROM lease
+  JOIN unnest(CAST(:backends AS text[]), CAST(:spacing AS float8[]), CAST(:stamp AS boolean[])) AS t(b, g, st)
+    ON lease.backend = t.b
   WHERE lease.holder = :holder ORDER BY lease.backend FOR UPDATE OF lease),
 marked AS (
-  UPDATE lease SET probed = CASE WHEN mine.g IS NULL THEN lease.probed ELSE now() END FROM mine
+  UPDATE lease SET probed = CASE WHEN mine.g IS NULL OR NOT mine.st THEN lease.probed ELSE now() END FROM mine
   WHERE lease.backend = mine.backend
     AND (mine.g IS NULL OR mine.probed IS NULL OR mine.probed + make_interval(secs => mine.g) <= now())
   RETURNING lease.backend)
@@ -289,11 +293,20 @@ class Leases(Connected):
         daemon's as it sets out to probe them, marked probed (``lease.probed``, on the database's clock),
         and those probed too recently, with the seconds since their last probe. A standby then takes a
         dead holder's backend an interval after the holder last probed it, not sooner, and not later; and
-        a new holder never probes a backend its previous holder probed less than an interval ago."""
+        a new holder never probes a backend its previous holder probed less than an interval ago. One that
+        hashes to another live daemon is checked but not marked: that daemon may take it before this pass's
+        worker reaches it, and must then see the last probe that was made, not this pass's intent (it
+        would wait an interval more). A worker that does probe it stamps it as it starts (`started_probe`)."""
         if not self.leased:
             return set(spacing_s), {}
         names = sorted(spacing_s)
-        params = {"holder": self.lease_holder, "backends": names, "spacing": [spacing_s[b] for b in names]}
+        theirs = self._theirs()
+        params = {
+            "holder": self.lease_holder,
+            "backends": names,
+            "spacing": [spacing_s[b] for b in names],
+            "stamp": [b not in theirs for b in names],
+        }
         kept: set[str] = set()
         early: dict[str, float] = {}
         with self.engine.begin() as conn:
@@ -360,6 +373,12 @@ class Leases(Connected):
         if self._assigned is None or self._assigned[0] != key:
             self._assigned = (key, assign(plan.weight, live))
         return sorted(b for b, d in self._assigned[1].items() if d == self.lease_holder)
+
+    def _theirs(self) -> set[str]:
+        """The backends that hash to another live daemon, by the last assignment computed."""
+        if self._assigned is None:
+            return set()
+        return {b for b, d in self._assigned[1].items() if d != self.lease_holder}
 
     def fleet_view(self) -> tuple[str, ...]:
         """The live daemons at this daemon's last claim (itself alone before the first, or on SQLite)."""

@@ -223,7 +223,8 @@ def test_a_backend_moves_to_the_daemon_it_hashes_to_only_when_its_holders_next_p
 def test_a_takeover_that_comes_after_the_holders_claim_still_takes_its_share(pg):
     """On a loaded machine the new owner's takeover pass may start after its holder's claim: that claim
     keeps the backends (its pass probes them) but no longer renews those that hash to the live new owner,
-    so the late takeover still takes exactly them."""
+    so the late takeover still takes exactly them; and the holder's pass marks them probed only as its
+    worker starts one, so the new owner probes those its worker had not reached at once."""
     url = pg.create_database("late_takeover")
     weight = {f"b{i}": 60.0 for i in range(10)}
     plan = Plan(weight, dict.fromkeys(weight, 1.0), 3.0)  # lease 3 s: interval 2 s + 1 s grace
@@ -237,15 +238,22 @@ def test_a_takeover_that_comes_after_the_holders_claim_still_takes_its_share(pg)
         assert {x.holder for x in claimed.values()} == {a.lease_holder}  # a still holds all ten
         left = {k for k, x in claimed.items() if x.ends_in < 2.0}  # ... renewing only its own half
         assert len(left) == 5
+        with a.engine.begin() as c:  # every backend was last probed 10 s ago
+            c.execute(text("UPDATE lease SET probed = now() - interval '10 seconds'"))
+        # a's pass sets out: its own half is marked probed now, b's half only checked (a's worker has not
+        # reached it: nothing was probed)
+        assert a.start_probes(dict.fromkeys(weight, 5.0)) == (set(weight), {})
         got = {k for k, x in b.claim_leases(seconds, plan).items() if x.holder == b.lease_holder}
         assert got == left
+        assert b.start_probes(dict.fromkeys(got, 5.0)) == (got, {})  # so b probes them now, not a pass later
+        assert not any(a.started_probe(k, mark=True) for k in got)  # a's worker then skips them
     finally:
         a.close()
         b.close()
 
 
 def test_a_gone_holders_backends_are_taken_at_its_next_pass_never_sooner(pg):
-    """A holder that renewed its leases and set out to probe the backends, then died or stopped, is not
+    """A holder that renewed its leases and started probing the backends, then died or stopped, is not
     followed by a second probe in that interval: though its presence is gone at once (killed: the server
     ends the session; stopped: it marks its leases and closes its store), another daemon's claim takes its
     backends only from `EARLY_S` before its next pass was due; one it claimed but never probed, at once."""
@@ -259,6 +267,9 @@ def test_a_gone_holders_backends_are_taken_at_its_next_pass_never_sooner(pg):
         assert {x.holder for x in c.claim_leases({"b2": 3.0, "b3": 3.0}, plan).values()} == {c.lease_holder}
         assert a.start_probes({"b1": 1.0}) == ({"b1"}, {})
         assert c.start_probes({"b2": 1.0, "b3": 1.0}) == ({"b2", "b3"}, {})
+        # their workers start the probes (the mark of one that hashes elsewhere waits for its worker)
+        assert a.started_probe("b1", mark=True) and c.started_probe("b2", mark=True)
+        assert c.started_probe("b3", mark=True)
         with a.engine.begin() as conn:  # a: killed
             conn.execute(
                 text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = :n"),

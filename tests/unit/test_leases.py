@@ -23,7 +23,7 @@ from canaryd.daemon.tenure import Tenure
 from canaryd.store import Store, lease_seconds
 from canaryd.store.leases import GRACE_MAX_S, GRACE_MIN_S, Lease, Plan
 from tests.harness.scripted_lab import ScriptedLab, scripted
-from tests.unit.test_metrics import PER_BACKEND, families_of, populated
+from tests.unit.test_metrics import PER_BACKEND, families_of, populated, run
 from tests.unit.test_scripted_daemon import IDS, daemon, passes, port, value, wait  # noqa: F401 (fixture)
 
 
@@ -169,6 +169,24 @@ def test_a_lease_lost_between_claims_is_exported_at_once_with_the_share_it_leave
     ]
     assert get("canaryd_backend_lease_held", {"backend": "a"}) == 0
     assert get("canaryd_fleet_weight_share") == 1 / 8 and get("canaryd_fleet_backends_held") == 1
+
+
+def test_a_pass_recorded_after_its_lease_was_lost_is_dropped_again_at_the_next_claim():
+    """A renewal found the lease lost, but the pass had probed the backend and records it after: the next
+    claim, which finds the backend held elsewhere, drops its series again (not for ever exported)."""
+    fleet, metrics = FleetStore(), populated("a")
+    tenure = Tenure(fleet, metrics)
+    fleet.holders = {"a": "me#1", "z": "me#1"}
+    assert tenure.claim({"a": 2.5, "z": 2.5}, ["a", "z"])[0] == {"a", "z"}
+    tenure.lose({"a"}, "taken during its pass")
+    kept = {m.name for m in METRICS if m.per_backend and m.lease_loss is LeaseLoss.KEEP}
+    assert families_of(metrics, "a") == kept
+    metrics.record(run(backend="a"), now=20.0)  # the pass's run, recorded after the loss
+    metrics.publish()
+    assert families_of(metrics, "a") > kept
+    fleet.holders = {"a": "other#2", "z": "me#1"}
+    assert tenure.claim({"a": 2.5, "z": 2.5}, ["a", "z"])[0] == {"z"}
+    assert families_of(metrics, "a") == kept
 
 
 def test_a_lease_taken_by_another_daemon_leaves_only_the_series_the_metric_table_keeps():
