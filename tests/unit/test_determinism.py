@@ -107,7 +107,11 @@ def test_a_fleet_members_first_answer_is_its_configurations_baseline_when_broken
     # broken at its own first contact, and still becomes that configuration's baseline
     fleet = "".join(f'[[backends.fleet]]\nname = "{m}"\nfingerprint = "fp-{m}"\n' for m in ("a", "b"))
     lab = make(scripted(stack=BATCH_INVARIANT, noise_model=INVARIANT, seed=SEED, body=fleet))
+    # which member answers a request follows the order the canaries' threads draw in: cycle until every
+    # canary has met both (4 cycles when the machine is idle; a loaded one may need a few more)
     seen = [verdicts(lab.cycle()) for _ in range(4)]
+    while len(seen) < 12 and not all(len(lab.store.baselines("fake", c)) == 2 for c in IDS):
+        seen.append(verdicts(lab.cycle()))
     # first contact probes until each member's configuration has its own evidence, so a member's first
     # answer is broken at once (new-configuration only where a round never reached it)
     found = {v for pass_ in seen for v in pass_.values()}
