@@ -268,7 +268,7 @@ class Leases(Connected):
             self._heartbeat(plan, presence)
             with self.engine.begin() as conn:
                 ours = self._ours(conn, plan)
-                params["theirs"] = sorted(set(names) & set(plan.weight) - set(ours))
+                params["theirs"] = sorted(set(names) & self._theirs())
                 graces = [float(plan.grace[b]) for b in names]
                 lock = {k: params[k] for k in ("holder", "backends", "seconds")}
                 lock.update(graces=graces, ours=ours)
@@ -347,12 +347,15 @@ class Leases(Connected):
             self._heartbeat(plan, self._present())
         names = sorted(seconds)
         with self.engine.begin() as conn:
-            ours = set(self._ours(conn, plan)) if plan is not None else set(names)
+            theirs: set[str] = set()
+            if plan is not None:
+                self._ours(conn, plan)  # the assignment, to the live set read now
+                theirs = self._theirs()
             params = {  # each backend's lease said held; only those that hash here extended
                 "holder": self.lease_holder,
                 "backends": names,
                 "seconds": [float(seconds[b]) for b in names],
-                "renew": [b in ours or plan is None or b not in plan.weight for b in names],
+                "renew": [b not in theirs for b in names],
                 "within": min(within, 1e9),
             }
             return set(conn.execute(_RENEW, params).scalars())

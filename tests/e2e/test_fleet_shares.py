@@ -19,6 +19,8 @@ import sys
 import time
 import urllib.request
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 from sqlalchemy import text
@@ -190,16 +192,29 @@ def test_daemons_share_the_backends_and_rebalance_on_join_kill_and_stop(fleet):
     assert time.time() - t_three < 90
 
 
+# ten backends of one weight, each leased for 3 s (an interval of 2 s and a grace of 1 s)
+TEN = {f"b{i}": 60.0 for i in range(10)}
+TEN_PLAN = Plan(TEN, dict.fromkeys(TEN, 1.0), 3.0)
+
+
+@contextmanager
+def two_stores(pg, name: str) -> Iterator[tuple[Store, Store]]:
+    """Two daemons' stores, "a" and "b", on a new database of their own."""
+    url = pg.create_database(name)
+    a, b = Store(url, "a"), Store(url, "b")
+    try:
+        yield a, b
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_backend_moves_to_the_daemon_it_hashes_to_only_when_its_holders_next_pass_is_due(pg):
     """The claims themselves, with two stores: the first takes every backend; the second, once live, gets
     none of them before their holder's next pass is due (grace + `EARLY_S` before the lease ends), then
     exactly its half; the holder's own claim then finds those taken, and `canaryd fleet`'s query says so."""
-    url = pg.create_database("handover")
-    weight = {f"b{i}": 60.0 for i in range(10)}
-    plan = Plan(weight, dict.fromkeys(weight, 1.0), 3.0)  # lease 3 s: interval 2 s + 1 s grace
-    seconds = dict.fromkeys(weight, 3.0)
-    a, b = Store(url, "a"), Store(url, "b")
-    try:
+    weight, plan, seconds = TEN, TEN_PLAN, dict.fromkeys(TEN, 3.0)
+    with two_stores(pg, "handover") as (a, b):
         assert {x.holder for x in a.claim_leases(seconds, plan).values()} == {a.lease_holder}
         first = b.claim_leases(seconds, plan)
         assert {x.holder for x in first.values()} == {a.lease_holder}  # a's next pass is not due yet
@@ -215,9 +230,6 @@ def test_a_backend_moves_to_the_daemon_it_hashes_to_only_when_its_holders_next_p
             ("a", True, 5, 0.5),
             ("b", True, 5, 0.5),
         }
-    finally:
-        a.close()
-        b.close()
 
 
 def test_a_takeover_that_comes_after_the_holders_claim_still_takes_its_share(pg):
@@ -225,12 +237,8 @@ def test_a_takeover_that_comes_after_the_holders_claim_still_takes_its_share(pg)
     keeps the backends (its pass probes them) but no longer renews those that hash to the live new owner,
     so the late takeover still takes exactly them; and the holder's pass marks them probed only as its
     worker starts one, so the new owner probes those its worker had not reached at once."""
-    url = pg.create_database("late_takeover")
-    weight = {f"b{i}": 60.0 for i in range(10)}
-    plan = Plan(weight, dict.fromkeys(weight, 1.0), 3.0)  # lease 3 s: interval 2 s + 1 s grace
-    seconds = dict.fromkeys(weight, 3.0)
-    a, b = Store(url, "a"), Store(url, "b")
-    try:
+    weight, plan, seconds = TEN, TEN_PLAN, dict.fromkeys(TEN, 3.0)
+    with two_stores(pg, "late_takeover") as (a, b):
         a.claim_leases(seconds, plan)
         b.claim_leases(seconds, plan)  # b is live; a's next pass is not due
         time.sleep(3.0 - 1.0 - EARLY_S + 0.1)  # a's next pass is due, and its claim comes first
@@ -247,9 +255,6 @@ def test_a_takeover_that_comes_after_the_holders_claim_still_takes_its_share(pg)
         assert got == left
         assert b.start_probes(dict.fromkeys(got, 5.0)) == (got, {})  # so b probes them now, not a pass later
         assert not any(a.started_probe(k, mark=True) for k in got)  # a's worker then skips them
-    finally:
-        a.close()
-        b.close()
 
 
 def test_a_gone_holders_backends_are_taken_at_its_next_pass_never_sooner(pg):
