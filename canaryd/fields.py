@@ -47,4 +47,4 @@ Duration = Annotated[float, BeforeValidator(parse_duration), Field(ge=0)]
 class Strict(BaseModel):
     """Config blocks reject unknown keys (a typo must not silently fall back to a default)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)

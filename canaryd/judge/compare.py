@@ -114,10 +114,15 @@ def token_delta(base: list[TokenLogprob], cur: list[TokenLogprob]) -> TokenDelta
     top_deltas: list[float] = []
     overlaps: list[float] = []
     for a, b in zip(base[:n], cur[:n], strict=True):
+        if a.top == b.top:  # the common case on an exact backend: nothing moved at this position
+            if a.top:
+                overlaps.append(1.0)
+                top_deltas.append(0.0)
+            continue
         ta, tb = dict(a.top), dict(b.top)
-        if ta or tb:
-            overlaps.append(len(ta.keys() & tb.keys()) / len(ta.keys() | tb.keys()))
-        top_deltas.extend(abs(ta[t] - tb[t]) for t in ta.keys() & tb.keys())
+        both = ta.keys() & tb.keys()
+        overlaps.append(len(both) / len(ta.keys() | tb.keys()))
+        top_deltas.extend(abs(ta[t] - tb[t]) for t in both)
     return TokenDelta(
         first_divergence=n if diverged else None,
         common_prefix=n,

@@ -74,6 +74,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from canaryd.judge.evidence import GUARD, S_FLOOR, Evidence, p_to_e, robust_spread
+from canaryd.judge.nearest import Nearest, common_prefix
 from canaryd.judge.signals import SignalFit
 from canaryd.observation import Observation, logprob_problem, tokens_problem
 
@@ -128,11 +129,6 @@ def point(obs: Observation, text: bool = False) -> Point:
     if text or not obs.has_logprobs or (not obs.tokens and obs.text is not None):  # identity is the text
         ids, coords = [obs.text or ""], {}
     return Point(tuple(ids), coords)
-
-
-def common_prefix(a: Sequence, b: Sequence) -> int:
-    """The first index where ``a`` and ``b`` differ (the shorter length if one is a prefix of the other)."""
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def aligned(x: Point, b: Point) -> list[Key]:
@@ -210,6 +206,7 @@ class NoiseModel:
     completions: Counter[str] = field(init=False)
     regime: Regime = field(init=False)
     signals: dict[str, SignalFit] = field(init=False)  # the signal_values fitted
+    _nearest: Nearest | None = field(init=False, default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         n = len({r.signature for r in self.refs})
@@ -222,6 +219,13 @@ class NoiseModel:
             for name, vs in self.signal_values.items()
         }
         object.__setattr__(self, "signals", fits)
+
+    def nearest(self) -> Nearest:
+        """The references as arrays for `score_point`, built at the first score (a model parsed for its
+        summary, or fitted and refused, never needs them)."""
+        if self._nearest is None:
+            object.__setattr__(self, "_nearest", Nearest(self.refs, self.spread, self.default_spread))
+        return self._nearest  # type: ignore[return-value]
 
     @property
     def basis(self) -> str:
@@ -400,8 +404,7 @@ def score(model: NoiseModel, obs: Observation) -> Evidence:
 
 def score_point(model: NoiseModel, x: Point) -> Evidence:
     """`score` of a probe already turned into its point."""
-    dists = [distance(x, r, model.spread, model.default_spread) for r in model.refs]
-    nearest = min(range(model.k), key=dists.__getitem__)
+    dists, nearest, moved = model.nearest().score(x)  # `distance` to each reference, to the bit
     d = dists[nearest]
     novel = x.completion not in model.completions
     if novel and d == 0.0:
@@ -419,7 +422,7 @@ def score_point(model: NoiseModel, x: Point) -> Evidence:
             "regime": model.regime.value,
             "k": model.k,
             "novel_completion": novel,
-            "max_abs_dlogprob": max_abs_delta(x, model.refs[nearest]),
+            "max_abs_dlogprob": moved,
             "loo_max": max(model.loo),
         },
     )

@@ -108,17 +108,19 @@ def first_contact(
     settings: CompareConfig,
     bound: Any,
     reached: set[str] | None = None,
+    reads: Reads | None = None,
 ) -> set[str]:
     """First contact for every canary of the pass that is due it (all its answers ok); returns their ids,
     and adds the configurations its probes reached to ``reached``.
 
     "Exact" needs the evidence of ``own``'s own configuration: at least ``learn_first`` of its probes, one
     crowded among them where the backend takes crowded batches. Behind a balancer a probe may reach
-    another member, so up to `FIRST_ROUNDS` rounds are sent; a configuration still short of that learns."""
+    another member, so up to `FIRST_ROUNDS` rounds are sent; a configuration still short of that learns.
+    ``reads``: the pass's, when it has read them already."""
     done: set[str] = set()
     if not settings.learn:
         return done
-    reads = store.judging(backend.name)
+    reads = reads or store.judging(backend.name)
     sizes = _sizes(backend, settings)
     for canary, observations in zip(canaries, sent, strict=True):
         shape = shape_of(canary)

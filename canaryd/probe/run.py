@@ -111,16 +111,16 @@ def probe_backend(
     for obs in answered:
         obs.stack = {**stack, **obs.stack}
     reached = {configuration_of(obs.stack) for obs in answered}  # and, below, its first-contact probes'
+    reads = _judging(store, backend.name, bound)
     try:  # a canary without a noise model: is its backend exact? (`canaryd.probe.learn`)
-        contacted = learn.first_contact(backend, canaries, sent, stack, store, config.compare, bound, reached)
+        contacted = learn.first_contact(
+            backend, canaries, sent, stack, store, config.compare, bound, reached, reads
+        )
     except Exception:  # learning failed: the canaries are judged as they stand, and the pass goes on
         bound.exception("learning_failed")
         contacted = set()
-    try:  # baselines and calibrations, re-read only when they changed
-        reads: Reads = store.judging(backend.name)
-    except Exception:  # each canary reads its own, and a failure costs only that canary
-        bound.exception("judging_reads_failed")
-        reads = store
+    if contacted:  # what first contact learned
+        reads = _judging(store, backend.name, bound)
     on_fleet = fleet.is_fleet(reached, _known(reads, backend.name, bound))
     for obs in answered:  # whose the snapshot is, on a fleet (`canaryd.fleet`)
         obs.stack = fleet.joined(stack, obs.stack, on_fleet)
@@ -305,6 +305,16 @@ class _Pooled(Reads):
 
     def run_set(self, observation_id: int) -> list[Observation]:
         return self._reads.run_set(observation_id)
+
+
+def _judging(store: Store, backend: str, bound: Any) -> Reads:
+    """Baselines and calibrations, re-read only when they changed; on a failure each canary reads its own,
+    and a failure costs only that canary."""
+    try:
+        return store.judging(backend)
+    except Exception:
+        bound.exception("judging_reads_failed")
+        return store
 
 
 def _known(reads: Reads, backend: str, bound: Any) -> set[str]:

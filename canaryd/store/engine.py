@@ -195,7 +195,21 @@ def insert_ignore(s: Session, table: type[SQLModel], **values: object) -> bool:
     return s.connection().execute(stmt, values).rowcount > 0
 
 
-_INSERT_IGNORE: dict[tuple[str, str], object] = {}
+def insert_new(s: Session, table: type[SQLModel], **values: object) -> int | None:
+    """`insert_ignore` of a row with an ``id``, returning it: None when the key was already there.
+
+    One statement where a content key is usually new (an outcome: a probe's latency alone makes it new),
+    instead of a look-up, the insert and a look-up of the id.
+    """
+    key = (s.get_bind().dialect.name, table.__tablename__, "id")
+    stmt = _INSERT_IGNORE.get(key)
+    if stmt is None:
+        stmt = insert_of(s, table).on_conflict_do_nothing().returning(table.__table__.c.id)  # type: ignore[attr-defined]
+        _INSERT_IGNORE[key] = stmt
+    return s.connection().execute(stmt, values).scalar()
+
+
+_INSERT_IGNORE: dict[tuple[str, ...], object] = {}
 
 
 # -- Alembic: what autogenerate compares -----------------------------------------------------------------

@@ -20,7 +20,7 @@ from sqlmodel import Session, SQLModel, select
 from canaryd.observation import Observation, canonical_digest, utcnow
 from canaryd.stack import stack_hash as hash_of
 from canaryd.store.baselines import first_baseline
-from canaryd.store.engine import Connected, insert_ignore
+from canaryd.store.engine import Connected, insert_ignore, insert_new
 from canaryd.store.records import ComparisonLike
 from canaryd.store.schema import (
     PAYLOAD_FORMAT,
@@ -192,11 +192,9 @@ class Writes(Connected):
         outcome_hash = canonical_digest(fields)
         by_hash = _BY_HASH["outcome"], {"key": outcome_hash}
         outcome_id = known.outcomes.get(outcome_hash) or found.get(outcome_hash)
-        if outcome_id is None:
-            outcome_id = s.connection().execute(*by_hash).scalar()
-        if outcome_id is None:
-            insert_ignore(s, OutcomeRow, hash=outcome_hash, **fields)
-            # ours, or a concurrent writer's (committed by now: our insert waited for it)
+        if outcome_id is None:  # usually new content: inserted first, looked up only if it was there
+            outcome_id = insert_new(s, OutcomeRow, hash=outcome_hash, **fields)
+        if outcome_id is None:  # an earlier pass's, or a concurrent writer's (committed: our insert waited)
             outcome_id = s.connection().execute(*by_hash).scalar_one()
         found[outcome_hash] = outcome_id
         event = {

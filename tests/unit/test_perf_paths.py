@@ -5,19 +5,22 @@
 * the stores of one database in a process share one `Cache`, and the generation statement still guards it;
 * the detector fold (Core statements) stores and reads back what the ORM did;
 * `tokens_problem` and `vet.problem` take a fast path for the common answer, with the same answers;
-* a suite file is parsed again only when its text changed.
+* a suite file is parsed again only when its text changed;
+* a probe's distances to a noise model's references, taken column-wise, are `distance`'s to the bit.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import random
 from datetime import UTC, datetime
 
 from sqlalchemy import event
 
 from canaryd.canaries import load_suite
 from canaryd.judge.compare import compare
-from canaryd.judge.stats import DetectorState
+from canaryd.judge.stats import DetectorState, NoiseModel, Point, distance, fit_points, max_abs_delta
 from canaryd.observation import ErrorKind, Observation, TokenLogprob, logprob_problem, tokens_problem
 from canaryd.probe import vet
 from canaryd.store import Store
@@ -201,3 +204,42 @@ def test_in_memory_databases_share_no_cache():
     assert a._cache is not c._cache and a._cache is not b._cache
     for s in (a, b, c):
         s.close()
+
+
+def _point(rng: random.Random, ids: tuple[str, ...]) -> Point:
+    """A probe of the tokens ``ids``, with some of each position's top-3 alternatives left out."""
+    coords = {}
+    for i, tok in enumerate(ids):
+        coords[(i, tok)] = -rng.expovariate(3.0)
+        for alt in rng.sample("abcde", 3):
+            if alt != tok and rng.random() < 0.8:
+                coords[(i, alt)] = -rng.uniform(0.5, 9.0) * rng.choice((1e-6, 1.0, 1.0, 37.0))
+    return Point(ids, coords)
+
+
+def test_the_nearest_arrays_give_distance_and_the_largest_move_to_the_bit():
+    rng = random.Random(7)
+    for case in range(300):
+        n = rng.randint(1, 12)
+        base = tuple(rng.choice("abcde") for _ in range(n))
+
+        def near(base: tuple[str, ...] = base) -> tuple[str, ...]:  # parts from ``base`` at a random place
+            cut = rng.randint(0, len(base))
+            tail = tuple(rng.choice("abcde") for _ in range(rng.randint(0, 3)))
+            return base if rng.random() < 0.5 else base[:cut] + tail
+
+        refs = [_point(rng, near()) for _ in range(rng.randint(2, 8))]
+        if case % 4 == 0:  # the exact regime: identical references
+            refs = [refs[0]] * len(refs)
+        if case % 7 == 0:  # a reference without logprobs beside the others
+            refs[-1] = Point(refs[-1].ids, {})
+        model = fit_points("req", tuple(refs), {})
+        probes = [_point(rng, near()) for _ in range(5)] + [refs[0], Point(base, {})]
+        for x in probes:
+            dists, nearest, moved = model.nearest().score(x)
+            expected = [distance(x, r, model.spread, model.default_spread) for r in model.refs]
+            assert dists == expected
+            assert nearest == min(range(len(expected)), key=expected.__getitem__)
+            assert moved == max_abs_delta(x, model.refs[nearest])
+        stored = NoiseModel.from_dict(json.loads(json.dumps(model.as_dict())))
+        assert stored.nearest().score(probes[0])[0] == model.nearest().score(probes[0])[0]
