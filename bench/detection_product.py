@@ -145,22 +145,74 @@ def table(results: dict[str, dict[str, list[Pass]]], honest: Sequence[str]) -> s
     return "\n".join(lines)
 
 
+# SYNTHETIC: the scripted kind under the realistic noise model (`canaryd.backends.noise`), whose draws are
+# fresh in every backend a `check` builds. The fleet's members report their own dtype in the snapshot, as
+# two real servers behind a balancer do, and one answers 0.03 nats lower (another dtype's numerics).
+NOISY_FLEET = [
+    {"name": "fp32", "fingerprint": "fp-fp32", "snapshot": {"engine.dtype": "float32"}},
+    {
+        "name": "bf16",
+        "fingerprint": "fp-bf16",
+        "snapshot": {"engine.dtype": "bfloat16"},
+        "logprob_shift": -0.03,
+    },
+]
+NOISY_SHIFTS = (-0.01, -0.05, -0.3)  # nats on every logprob: near the noise, then plainly beyond it
+
+
+def noisy(args) -> None:
+    """The product path under the realistic noise model (SYNTHETIC, the scripted kind): each shipped suite
+    deployed on one noisy backend and on a noisy two-member fleet; honest tests on each (false alarms), and
+    logprob shifts on the single backend (power)."""
+    from tests.harness.scripted_lab import change, scripted
+
+    noise = {"noise_model": {"preset": args.noise}}
+    blocks = {"N0": scripted(name="bench", **noise), "F": scripted(name="bench", fleet=NOISY_FLEET, **noise)}
+    work = Path(tempfile.mkdtemp(prefix="canaryd-product-noisy-"))
+    results: dict[str, dict[str, list[Pass]]] = {}
+    t = time.perf_counter()
+    for honest, block in blocks.items():
+        deps = deploy_suites(work / honest, block)
+        print(f"deployed on {honest} ({args.noise}): {passes_of(deps)}", flush=True)
+        tests = {honest: (block, args.trials)}
+        if honest == "N0":
+            for shift in NOISY_SHIFTS:
+                moved = scripted(name="bench", body=change(at=1, logprob_shift=shift), **noise)
+                tests[f"shift {shift:+g}"] = (moved, args.power_trials)
+        for variant, (tested, n) in tests.items():
+            for suite, dep in deps.items():
+                results.setdefault(variant, {})[suite] = trial_passes(dep, tested, n, work / "trials")
+            print(f"{variant}: alarms {[alarms(p)[0] for p in results[variant].values()]}", flush=True)
+    print(
+        f"\nPRODUCT PATH, SYNTHETIC noise ({args.noise}, the scripted kind): {args.trials} honest `check` "
+        f"passes per deployment and suite, {args.power_trials} per shift; {time.perf_counter() - t:.0f} s"
+    )
+    print(table(results, honest=tuple(blocks)))
+
+
 def main() -> None:
     """The product path alone, on fewer servers than `detection.py` serves: the baseline server (the
     deployments), honest restarts, the fleet behind a random balancer (its own deployments), and D1, Q1 and
-    the sub-argmax G3e-4 for power."""
+    the sub-argmax G3e-4 for power; with ``--noise PRESET``, the scripted kind under that preset of the
+    realistic noise model instead (`noisy`)."""
     import argparse
 
-    from bench.detection_lab import CACHE, bench_canaries, server, trained_model
     from canaryd import log
-    from canaryd.lab.tinymodel import perturb_weights
-    from tests.harness.balancer import Balancer
 
     ap = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
     ap.add_argument("--trials", type=int, default=10, help="`check` passes per server and suite")
     ap.add_argument("--restarts", type=int, default=2, help="honest restarts (N0 servers)")
+    ap.add_argument("--noise", metavar="PRESET", help="the scripted kind under this realistic noise preset")
+    ap.add_argument("--power-trials", type=int, default=20, help="with --noise: `check` passes per shift")
     args = ap.parse_args()
     log.configure("warning")
+    if args.noise:
+        return noisy(args)
+
+    from bench.detection_lab import CACHE, bench_canaries, server, trained_model
+    from canaryd.lab.tinymodel import perturb_weights
+    from tests.harness.balancer import Balancer
+
     logs = Path(tempfile.mkdtemp(prefix="canaryd-product-"))
     model = trained_model(bench_canaries())
     G = {"mode": "noise", "scale": 3e-4}

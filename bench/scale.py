@@ -273,7 +273,9 @@ def run(
         for w in watched:
             w.proc.wait(60)
     wall = time.monotonic() - t0
-    close, gap = spacings(url, args.interval, since, since + wall / 2) if url else (None, None)
+    close, gap, why = spacings(url, args.interval, since, since + wall / 2) if url else (None, None, "")
+    if why:
+        print(f"  longest gap in the second half: {gap:.1f} s, {why}")
     settled = balanced(watched, t0) if url and daemons > 1 else None
     if settled is not None:
         print(f"  shares within {1 / daemons:.0%} ± 5 points from {settled:.0f} s after the start on")
@@ -296,27 +298,36 @@ def balanced(watched: list[Watched], t0: float) -> float | None:
     return None if since is None else since - t0
 
 
-def spacings(url: str, interval: float, since: float, later: float) -> tuple[tuple[int, int], float]:
+def spacings(url: str, interval: float, since: float, later: float) -> tuple[tuple[int, int], float, str]:
     """From the ``run`` table, since ``since`` (Unix time): how many times a backend was probed again sooner
     than the lease allows (`canaryd.store.leases.spacing`, measured here between the runs' own starts,
     which a loaded machine puts a little later than the lease's stamps) and sooner than half an interval
     (twice in one interval); and the longest time between two probes of a backend in the second half of
-    the run (``later`` on: the first pass's first contact is over)."""
+    the run (``later`` on: the first pass's first contact is over), with which daemon made each probe and
+    how far into that daemon's pass (from its first probe of the interval before)."""
     engine = create_engine(url)
     with engine.connect() as c:
-        sql = "SELECT backend, extract(epoch FROM started_at) FROM run ORDER BY started_at"
-        rows = [(b, float(t)) for b, t in c.execute(text(sql)) if float(t) >= since]
+        sql = "SELECT backend, instance, extract(epoch FROM started_at) FROM run ORDER BY started_at"
+        rows = [(b, i, float(t)) for b, i, t in c.execute(text(sql)) if float(t) >= since]
     engine.dispose()
-    last: dict[str, float] = {}
-    close, half, gap = 0, 0, 0.0
-    for b, t in rows:
+    last: dict[str, tuple[str, float]] = {}
+    close, half, gap, worst = 0, 0, 0.0, ("", ("", 0.0), ("", 0.0))
+    for b, inst, t in rows:
         if b in last:
-            close += t - last[b] < spacing(interval)
-            half += t - last[b] < interval / 2
-            if last[b] >= later:
-                gap = max(gap, t - last[b])
-        last[b] = t
-    return (close, half), gap
+            was = last[b][1]
+            close += t - was < spacing(interval)
+            half += t - was < interval / 2
+            if was >= later and t - was > gap:
+                gap, worst = t - was, (b, last[b], (inst, t))
+        last[b] = (inst, t)
+
+    def into(inst: str, t: float) -> float:
+        return t - min(u for _, i, u in rows if i == inst and t - 0.9 * interval < u <= t)
+
+    b, (i0, t0), (i1, t1) = worst
+    if not b:
+        return (close, half), gap, ""
+    return (close, half), gap, f"{b}: {i0} {into(i0, t0):.1f} s into its pass -> {i1} {into(i1, t1):.1f} s"
 
 
 def main() -> None:

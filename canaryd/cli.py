@@ -17,14 +17,17 @@ it exits with the command's own exit code.
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
+from types import ModuleType
 from typing import Annotated
 
 import typer
+from typer.main import get_command_name
 
 from canaryd import __version__
-from canaryd.argv import hoist_global_options
+from canaryd.argv import command_of, hoist_global_options
 from canaryd.commands import (
     State,
     WholeHelpGroup,
@@ -43,17 +46,6 @@ from canaryd.commands import (
 )
 from canaryd.errors import EXIT_INTERNAL, EXIT_UNAVAILABLE, EXIT_USAGE, BudgetSpent, InputError
 
-# Plain help (no rich markup): every bracket and default shows as written, and rich stays unimported.
-app = typer.Typer(
-    help="Known-answer canaries for LLM serving stacks.\n\n"
-    "Exit codes: 0 identical, 1 drift, 2 bad config/usage or a request refused as configured, "
-    "3 backend unreachable or over budget, 4 internal error.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    rich_markup_mode=None,
-    cls=WholeHelpGroup,
-)
 # Commands whose work never logs: they set up logging (and import structlog) only if something does.
 _QUIET = ("validate", "init")
 
@@ -64,7 +56,6 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
-@app.callback()
 def _main(
     ctx: typer.Context,
     config: Annotated[
@@ -91,8 +82,44 @@ def _main(
 
 # Every command of a module, in the module's order; `canaryd --help` lists the commands in this order, and
 # the groups (`canaryd baseline ...`) after them.
-for module in (probe, record, service, fleet, history, setup, report, doctor, baseline, db, ops):
-    app.add_typer(module.app)
+MODULES = (probe, record, service, fleet, history, setup, report, doctor, baseline, db, ops)
+
+
+def _app(modules: Sequence[ModuleType]) -> typer.Typer:
+    """The ``canaryd`` app of these commands modules."""
+    # Plain help (no rich markup): every bracket and default shows as written, and rich stays unimported.
+    new = typer.Typer(
+        help="Known-answer canaries for LLM serving stacks.\n\n"
+        "Exit codes: 0 identical, 1 drift, 2 bad config/usage or a request refused as configured, "
+        "3 backend unreachable or over budget, 4 internal error.",
+        no_args_is_help=True,
+        add_completion=False,
+        pretty_exceptions_enable=False,
+        rich_markup_mode=None,
+        cls=WholeHelpGroup,
+    )
+    new.callback()(_main)
+    for module in modules:
+        new.add_typer(module.app)
+    return new
+
+
+app = _app(MODULES)
+
+
+def _names(module: ModuleType) -> set[str]:
+    """The top-level names a commands module adds: its group's, or each of its commands'."""
+    if isinstance(module.app.info.name, str):
+        return {module.app.info.name}
+    return {get_command_name(c.name or c.callback.__name__) for c in module.app.registered_commands}
+
+
+def _app_for(command: str | None) -> typer.Typer:
+    """The app that parses a command line running ``command``: one of its module's commands alone. Typer
+    builds every command's parameters before it runs one, and that was a tenth of ``validate``'s start-up;
+    the whole app parses anything else (``--help``, an unknown command)."""
+    module = next((m for m in MODULES if command in _names(m)), None)
+    return app if module is None else _app((module,))
 
 
 def _configure_logging(level: str) -> None:
@@ -112,7 +139,8 @@ def main(argv: list[str] | None = None) -> None:
     own = args[: args.index("--") if "--" in args else None]  # canaryd's own, not a benchmark's
     as_json, State.help_asked = "--json" in own, "--help" in own
     try:
-        app(args, prog_name="canaryd")  # usage errors exit 2 and typer.Exit(code) exits with code
+        # usage errors exit 2 and typer.Exit(code) exits with code
+        _app_for(command_of(args))(args, prog_name="canaryd")
     except InputError as e:
         _fail(EXIT_USAGE, "canaryd: error", str(e), as_json)
     except BudgetSpent as e:

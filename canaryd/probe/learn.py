@@ -120,7 +120,7 @@ def first_contact(
     done: set[str] = set()
     if not settings.learn:
         return done
-    reads = reads or store.judging(backend.name)
+    reads = store.judging(backend.name) if reads is None else reads
     sizes = _sizes(backend, settings)
     for canary, observations in zip(canaries, sent, strict=True):
         shape = shape_of(canary)

@@ -134,6 +134,29 @@ def test_every_help_shows_every_word_and_no_flag_takes_a_value():
     assert "[default: warning; info for run]" in " ".join(top.split())
 
 
+def test_a_command_parsed_with_its_module_alone_reads_as_in_the_whole_app():
+    """`main` parses a command line with an app of the command's module alone (`_app_for`): each command
+    there has the help, options and exit codes it has in the whole app; anything else gets the whole app."""
+    from typer.main import get_command
+    from typer.testing import CliRunner
+
+    from canaryd.cli import MODULES, _app_for, app
+
+    root = get_command(app)
+    runner = CliRunner()
+    paths = [p for p in _commands(root) if p]
+    for path in paths:
+        slim = _app_for(path[0])
+        assert slim is not app and path[0] in get_command(slim).commands
+        for args in ([*path, "--help"], [*path, "--no-such-option"]):
+            whole, alone = (
+                runner.invoke(a, args, prog_name="canaryd", terminal_width=80) for a in (app, slim)
+            )
+            assert (alone.exit_code, alone.output) == (whole.exit_code, whole.output), " ".join(args)
+    assert len({tuple(get_command(_app_for(p[0])).commands) for p in paths}) == len(MODULES)
+    assert _app_for(None) is app and _app_for("no-such-command") is app
+
+
 # -- global options before or after the command; init into a directory ---------------------------------------
 
 
