@@ -7,9 +7,10 @@ is then one pass over its own coordinates, and references with identical coordin
 exact regime, a few modes in the modal one) are measured once.
 
 The results are `distance`'s to the bit. The differences and their scaling are the same IEEE operations
-elementwise, and the squares and their sum are taken by Python as `distance` takes them (``x ** 2`` is
-libm's ``pow``, which is not always ``x * x``; ``sum`` is compensated from Python 3.12). A stored model's
-leave-one-out distances, computed by `distance`, therefore compare with these exactly.
+elementwise. The squares are libm's ``pow``, as Python's ``x ** 2`` takes them: numpy's ``float_power``
+calls it, where ``x * x`` and numpy's ``power`` differ from it in the last bit now and then. Each sum is
+Python's ``sum`` (compensated from Python 3.12). A stored model's leave-one-out distances, computed by
+`distance`, therefore compare with these exactly.
 """
 
 from __future__ import annotations
@@ -65,19 +66,18 @@ class Nearest:
         cols = numpy.fromiter((self._columns.get(k, n) for k in keys), dtype=numpy.intp, count=len(keys))
         pos = numpy.fromiter((k[0] for k in keys), dtype=numpy.int64, count=len(keys))
         delta = numpy.fromiter(x.coords.values(), dtype=float, count=len(keys)) - self._values[:, cols]
-        scaled = delta / self._spread[cols]
-        has = self._has[:, cols]
+        squares = numpy.float_power(delta / self._spread[cols], 2.0)
+        lasts: list[int] = []  # where x parts from each reference (a twin's is its first's)
+        for i, j in enumerate(self._first):
+            lasts.append(common_prefix(x.ids, self._ids[i]) if j == i else lasts[j])
+        aligned = self._has[:, cols] & (pos <= numpy.array(lasts)[:, None])
         dists: list[float] = []
-        masks = []
         for i, j in enumerate(self._first):
             if j < i:
                 dists.append(dists[j])
-                masks.append(masks[j])
                 continue
-            mask = has[i] & (pos <= common_prefix(x.ids, self._ids[i]))
-            terms = [t**2 for t in scaled[i][mask].tolist()]
+            terms = squares[i][aligned[i]].tolist()
             dists.append(math.sqrt(sum(terms) / len(terms)) if terms else 0.0)
-            masks.append(mask)
-        nearest = min(range(len(dists)), key=dists.__getitem__)
-        moved = numpy.abs(delta[nearest][masks[nearest]])
+        nearest = min(range(len(dists)), key=dists.__getitem__)  # the first of its twins
+        moved = numpy.abs(delta[nearest][aligned[nearest]])
         return dists, nearest, float(moved.max()) if moved.size else 0.0
