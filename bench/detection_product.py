@@ -157,7 +157,7 @@ NOISY_FLEET = [
         "logprob_shift": -0.03,
     },
 ]
-NOISY_SHIFTS = (-0.01, -0.05, -0.3)  # nats on every logprob: near the noise, then plainly beyond it
+NOISY_SHIFTS = (-0.001, -0.003, -0.01, -0.05, -0.3)  # nats on every logprob: within the noise, then beyond
 
 
 def noisy(args) -> None:
