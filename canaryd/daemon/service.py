@@ -159,6 +159,9 @@ class Daemon:
             chosen = {b: cs for b, cs in work.items() if b in mine}
             work = affordable(self.store, self.metrics, gen.config, schedule, chosen)
             work, early = self._still_held(gen, schedule, work)
+            with self._choosing:  # what this pass will not probe is free now: its phase may come first
+                self._busy -= mine - set(work)
+                mine &= set(work)
             if early:
                 self._respace(gen, schedule, early)
             if phase:
