@@ -303,8 +303,8 @@ def spacings(url: str, interval: float, since: float, later: float) -> tuple[tup
     than the lease allows (`canaryd.store.leases.spacing`, measured here between the runs' own starts,
     which a loaded machine puts a little later than the lease's stamps) and sooner than half an interval
     (twice in one interval); and the longest time between two probes of a backend in the second half of
-    the run (``later`` on: the first pass's first contact is over), with which daemon made each probe and
-    how far into that daemon's pass (from its first probe of the interval before)."""
+    the run (``later`` on: the first pass's first contact is over), with its backend and which daemon made
+    each of its two probes when (seconds from ``since``: their logs say which passes they were)."""
     engine = create_engine(url)
     with engine.connect() as c:
         sql = "SELECT backend, instance, extract(epoch FROM started_at) FROM run ORDER BY started_at"
@@ -320,14 +320,9 @@ def spacings(url: str, interval: float, since: float, later: float) -> tuple[tup
             if was >= later and t - was > gap:
                 gap, worst = t - was, (b, last[b], (inst, t))
         last[b] = (inst, t)
-
-    def into(inst: str, t: float) -> float:
-        return t - min(u for _, i, u in rows if i == inst and t - 0.9 * interval < u <= t)
-
     b, (i0, t0), (i1, t1) = worst
-    if not b:
-        return (close, half), gap, ""
-    return (close, half), gap, f"{b}: {i0} {into(i0, t0):.1f} s into its pass -> {i1} {into(i1, t1):.1f} s"
+    why = f"{b}: {i0} at {t0 - since:.1f} s -> {i1} at {t1 - since:.1f} s from the start" if b else ""
+    return (close, half), gap, why
 
 
 def main() -> None:
