@@ -86,7 +86,7 @@ MODULES = (probe, record, service, fleet, history, setup, report, doctor, baseli
 
 
 def _app(modules: Sequence[ModuleType]) -> typer.Typer:
-    """The ``canaryd`` app of these commands modules."""
+    """The ``canaryd`` app of these modules' commands."""
     # Plain help (no rich markup): every bracket and default shows as written, and rich stays unimported.
     new = typer.Typer(
         help="Known-answer canaries for LLM serving stacks.\n\n"
@@ -117,7 +117,7 @@ def _names(module: ModuleType) -> set[str]:
 def _app_for(command: str | None) -> typer.Typer:
     """The app that parses a command line running ``command``: one of its module's commands alone. Typer
     builds every command's parameters before it runs one, and that was a tenth of ``validate``'s start-up;
-    the whole app parses anything else (``--help``, an unknown command)."""
+    the whole app parses anything else (no command, an unknown one) and every ``--help``."""
     module = next((m for m in MODULES if command in _names(m)), None)
     return app if module is None else _app((module,))
 
@@ -139,8 +139,8 @@ def main(argv: list[str] | None = None) -> None:
     own = args[: args.index("--") if "--" in args else None]  # canaryd's own, not a benchmark's
     as_json, State.help_asked = "--json" in own, "--help" in own
     try:
-        # usage errors exit 2 and typer.Exit(code) exits with code
-        _app_for(command_of(args))(args, prog_name="canaryd")
+        # usage errors exit 2 and typer.Exit(code) exits with code; help is the whole app's (`--help run`)
+        (app if State.help_asked else _app_for(command_of(args)))(args, prog_name="canaryd")
     except InputError as e:
         _fail(EXIT_USAGE, "canaryd: error", str(e), as_json)
     except BudgetSpent as e:

@@ -2,9 +2,9 @@
 
 `canaryd.judge.stats.distance` walks one pair of probes dict by dict. Scoring every probe against each
 of K references that way was the largest share of a calibrated probe's CPU (about a sixth of the daemon's,
-``bench/probe_cpu.py``). Here the references become one array per model, built at its first score. A probe
-is then one pass over its own coordinates, and references with identical coordinates (all of them in the
-exact regime, a few modes in the modal one) are measured once.
+``bench/probe_cpu.py``). Here the references become one array per model, built at its second score
+(`NoiseModel.nearest`). A probe is then one pass over its own coordinates, and references with identical
+coordinates (all of them in the exact regime, a few modes in the modal one) are measured once.
 
 The results are `distance`'s to the bit. The differences and their scaling are the same IEEE operations
 elementwise. The squares are libm's ``pow``, as Python's ``x ** 2`` takes them: numpy's ``float_power``

@@ -139,8 +139,9 @@ def aligned(x: Point, b: Point) -> list[Key]:
 
 def distance(x: Point, b: Point, spread: Mapping[Key, float], default: float) -> float:
     """RMS of the standardised logprob differences over the aligned coordinates (0 when none). One pass
-    over ``x``'s coordinates, the terms in `aligned`'s order and summed by `sum` as before: the daemon
-    scores every probe against each of the K honest ones, and this is most of a calibrated judge's CPU."""
+    over ``x``'s coordinates, the terms in `aligned`'s order and summed by `sum` as before. The fit's
+    leave-one-out distances and a model's first score take it; later scores take `Nearest.score`, whose
+    results are these to the bit."""
     last, other, scale = common_prefix(x.ids, b.ids), b.coords, spread.get
     terms = [
         ((v - w) / scale(k, default)) ** 2
@@ -206,6 +207,7 @@ class NoiseModel:
     completions: Counter[str] = field(init=False)
     regime: Regime = field(init=False)
     signals: dict[str, SignalFit] = field(init=False)  # the signal_values fitted
+    _scored: bool = field(init=False, default=False, repr=False, compare=False)
     _nearest: Nearest | None = field(init=False, default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -220,12 +222,16 @@ class NoiseModel:
         }
         object.__setattr__(self, "signals", fits)
 
-    def nearest(self) -> Nearest:
-        """The references as arrays for `score_point`, built at the first score (a model parsed for its
-        summary, or fitted and refused, never needs them)."""
+    def nearest(self) -> Nearest | None:
+        """The references as arrays for `score_point`, from the model's second score on (None before).
+        They cost about as much to build as scoring one probe a reference at a time: a model scored once
+        (a learning window's, one `canaryd check`'s) is not worth them; one the daemon keeps is."""
         if self._nearest is None:
+            if not self._scored:
+                object.__setattr__(self, "_scored", True)
+                return None
             object.__setattr__(self, "_nearest", Nearest(self.refs, self.spread, self.default_spread))
-        return self._nearest  # type: ignore[return-value]
+        return self._nearest
 
     @property
     def basis(self) -> str:
@@ -404,7 +410,13 @@ def score(model: NoiseModel, obs: Observation) -> Evidence:
 
 def score_point(model: NoiseModel, x: Point) -> Evidence:
     """`score` of a probe already turned into its point."""
-    dists, nearest, moved = model.nearest().score(x)  # `distance` to each reference, to the bit
+    near = model.nearest()
+    if near is None:
+        dists = [distance(x, r, model.spread, model.default_spread) for r in model.refs]
+        nearest = min(range(model.k), key=dists.__getitem__)
+        moved = max_abs_delta(x, model.refs[nearest])
+    else:
+        dists, nearest, moved = near.score(x)  # the same, to the bit
     d = dists[nearest]
     novel = x.completion not in model.completions
     if novel and d == 0.0:

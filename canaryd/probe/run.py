@@ -116,10 +116,11 @@ def probe_backend(
         contacted = learn.first_contact(
             backend, canaries, sent, stack, store, config.compare, bound, reached, reads
         )
+        wrote = bool(contacted)
     except Exception:  # learning failed: the canaries are judged as they stand, and the pass goes on
         bound.exception("learning_failed")
-        contacted = set()
-    if contacted:  # what first contact learned
+        contacted, wrote = set(), True  # it may have stored some canaries' first contact before it failed
+    if wrote:  # what first contact learned
         reads = _judging(store, backend.name, bound)
     on_fleet = fleet.is_fleet(reached, _known(reads, backend.name, bound))
     for obs in answered:  # whose the snapshot is, on a fleet (`canaryd.fleet`)

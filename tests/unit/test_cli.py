@@ -155,6 +155,10 @@ def test_a_command_parsed_with_its_module_alone_reads_as_in_the_whole_app():
             assert (alone.exit_code, alone.output) == (whole.exit_code, whole.output), " ".join(args)
     assert len({tuple(get_command(_app_for(p[0])).commands) for p in paths}) == len(MODULES)
     assert _app_for(None) is app and _app_for("no-such-command") is app
+    # a --help before the command asks for canaryd's help: the whole app's, with every command
+    whole = canaryd("--help")
+    assert whole.returncode == 0 and "baseline" in whole.stdout and "validate" in whole.stdout
+    assert canaryd("--help", "validate").stdout == whole.stdout
 
 
 # -- global options before or after the command; init into a directory ---------------------------------------

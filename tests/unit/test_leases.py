@@ -222,33 +222,41 @@ def test_a_daemon_that_does_not_hold_a_backend_drops_its_gauges_but_not_its_coun
 
 
 def test_a_phase_due_while_the_pass_that_respaced_it_still_runs_probes_it(tmp_path):
-    """The regular pass that leaves a backend to its phase probes others for longer than that phase's wait:
+    """The regular pass that leaves a backend to its phase is still probing another when that phase is due:
     the phase pass probes it all the same (it is not that pass's any more), and it stays on its phase."""
-    slow = scripted(name="slow", latency_s=0.3)
-    lab = ScriptedLab(tmp_path, scripted() + slow, tail='[[schedules]]\nname = "fast"\nevery = "1h"\n')
+    tail = '[[schedules]]\nname = "fast"\nevery = "1h"\n'
+    lab = ScriptedLab(tmp_path, scripted() + scripted(name="slow"), tail=tail)
     lab.store.close()
     d = Daemon(lab.path, lab.config)
     honest, calls = d.store.start_probes, []
+    probe, probing, release = d._probe, threading.Event(), threading.Event()
 
     def fake_probed_40s_ago(spacing):
         calls.append(sorted(spacing))
         return ({"slow"}, {"fake": 40.0}) if len(calls) == 1 else honest(spacing)
 
+    def slow_until_released(gen, schedule, backend, canaries):
+        if backend == "slow":
+            probing.set()
+            release.wait(60)
+        return probe(gen, schedule, backend, canaries)
+
     try:
-        d.store.start_probes = fake_probed_40s_ago
+        d.store.start_probes, d._probe = fake_probed_40s_ago, slow_until_released
         with structlog.testing.capture_logs() as logs:
             regular = threading.Thread(target=d._job, args=("fast",))
             regular.start()
-            wait("the regular pass probing slow", lambda: any(e.get("backend") == "slow" for e in logs))
+            assert probing.wait(60)
             (job,) = [j for j in d.scheduler.get_jobs() if j.id.startswith("phase:")]
-            d._job(*job.args)  # its phase, due before the regular pass is done with slow
-            assert regular.is_alive()
+            d._job(*job.args)  # its phase, while the regular pass still probes slow
+            release.set()
             regular.join()
         assert calls[0] == ["fake", "slow"] and calls[1] == ["fake"]
         started = [e["backend"] for e in logs if e["event"] == "pass.start"]
         assert sorted(started) == ["fake", "slow"]
         assert "fake" in d._phased and not d._busy  # still on its phase; nothing left marked busy
     finally:
+        release.set()
         d.stop()
 
 

@@ -20,7 +20,16 @@ from sqlalchemy import event
 
 from canaryd.canaries import load_suite
 from canaryd.judge.compare import compare
-from canaryd.judge.stats import DetectorState, NoiseModel, Point, distance, fit_points, max_abs_delta
+from canaryd.judge.nearest import Nearest
+from canaryd.judge.stats import (
+    DetectorState,
+    NoiseModel,
+    Point,
+    distance,
+    fit_points,
+    max_abs_delta,
+    score_point,
+)
 from canaryd.observation import ErrorKind, Observation, TokenLogprob, logprob_problem, tokens_problem
 from canaryd.probe import vet
 from canaryd.store import Store
@@ -234,12 +243,15 @@ def test_the_nearest_arrays_give_distance_and_the_largest_move_to_the_bit():
         if case % 7 == 0:  # a reference without logprobs beside the others
             refs[-1] = Point(refs[-1].ids, {})
         model = fit_points("req", tuple(refs), {})
+        arrays = Nearest(model.refs, model.spread, model.default_spread)
         probes = [_point(rng, near()) for _ in range(5)] + [refs[0], Point(base, {})]
         for x in probes:
-            dists, nearest, moved = model.nearest().score(x)
+            dists, nearest, moved = arrays.score(x)
             expected = [distance(x, r, model.spread, model.default_spread) for r in model.refs]
             assert dists == expected
             assert nearest == min(range(len(expected)), key=expected.__getitem__)
             assert moved == max_abs_delta(x, model.refs[nearest])
+        # the first score takes `distance`, later ones the arrays: the same evidence either way
         stored = NoiseModel.from_dict(json.loads(json.dumps(model.as_dict())))
-        assert stored.nearest().score(probes[0])[0] == model.nearest().score(probes[0])[0]
+        first, second = score_point(stored, probes[0]), score_point(stored, probes[0])
+        assert stored.nearest() is not None and first == second
