@@ -28,6 +28,9 @@ class VLLMServerError(RuntimeError):
     """The server exited or never became healthy; the message has its log tail."""
 
 
+PORT_ATTEMPTS = 3  # starts on a new free port when another process took the one chosen
+
+
 def free_port() -> int:
     """A loopback port that was free a moment ago (good enough for tests)."""
     with socket.socket() as s:
@@ -65,6 +68,7 @@ class VLLMServer:
     ) -> None:
         self.model_dir = Path(model_dir)
         self.port = port or free_port()
+        self._chosen_port = port is None  # ours to choose again if another process takes it first
         self.dtype = dtype
         self.served_model_name = served_model_name
         self.api_key = api_key
@@ -137,20 +141,29 @@ class VLLMServer:
             **self.env,
         }
         t0 = time.monotonic()
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                self.command(),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                start_new_session=True,
-            )
-        try:
-            self._wait_healthy(t0 + self.startup_timeout)
-        except BaseException:
-            self.stop()  # never leak a half-started server, even on Ctrl-C
-            raise
+        for attempt in range(PORT_ATTEMPTS):
+            with open(self.log_path, "wb") as log:
+                self.proc = subprocess.Popen(
+                    self.command(),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=env,
+                    start_new_session=True,
+                )
+            try:
+                self._wait_healthy(t0 + self.startup_timeout)
+                break
+            except VLLMServerError:
+                self.stop()
+                # the free port was taken between `free_port` and vLLM's bind (another test's server)
+                taken = "Address already in use" in self.log_tail()
+                if not (taken and self._chosen_port and attempt + 1 < PORT_ATTEMPTS):
+                    raise
+                self.port = free_port()
+            except BaseException:
+                self.stop()  # never leak a half-started server, even on Ctrl-C
+                raise
         self.startup_seconds = time.monotonic() - t0
         return self
 
