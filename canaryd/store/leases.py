@@ -267,7 +267,8 @@ class Leases(Connected):
         if plan is not None:  # its own transaction: the claim below locks the rows in one statement
             self._heartbeat(plan, presence)
             with self.engine.begin() as conn:
-                ours = self._ours(conn, plan)
+                self._assign(conn, plan)
+                ours = self._ours()
                 params["theirs"] = sorted(set(names) & self._theirs())
                 graces = [float(plan.grace[b]) for b in names]
                 lock = {k: params[k] for k in ("holder", "backends", "seconds")}
@@ -347,10 +348,9 @@ class Leases(Connected):
             self._heartbeat(plan, self._present())
         names = sorted(seconds)
         with self.engine.begin() as conn:
-            theirs: set[str] = set()
             if plan is not None:
-                self._ours(conn, plan)  # the assignment, to the live set read now
-                theirs = self._theirs()
+                self._assign(conn, plan)
+            theirs = self._theirs() if plan is not None else set()
             params = {  # each backend's lease said held; only those that hash here extended
                 "holder": self.lease_holder,
                 "backends": names,
@@ -368,13 +368,18 @@ class Leases(Connected):
             conn.execute(_HEARTBEAT, dict(row, lease_s=plan.live_s))
             conn.execute(_PRUNE, {"holder": self.lease_holder})
 
-    def _ours(self, conn: Connection, plan: Plan) -> list[str]:
-        """The live set read, the backends of the plan that hash here, sorted (the live set and its
-        assignment are kept while the live set stays the same)."""
+    def _assign(self, conn: Connection, plan: Plan) -> None:
+        """Read the live set and assign the plan's backends over it (`_ours`, `_theirs`); the assignment
+        is kept while the live set stays the same."""
         live = tuple(sorted(conn.execute(_LIVE).scalars()))
         key = (live, id(plan.weight))
         if self._assigned is None or self._assigned[0] != key:
             self._assigned = (key, assign(plan.weight, live))
+
+    def _ours(self) -> list[str]:
+        """The backends that hash here, sorted, by the last assignment computed."""
+        if self._assigned is None:
+            return []
         return sorted(b for b, d in self._assigned[1].items() if d == self.lease_holder)
 
     def _theirs(self) -> set[str]:
