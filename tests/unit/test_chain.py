@@ -191,11 +191,19 @@ class Scripted:
     """An OpenAI-compatible chat/completions server whose answer to each step the test sets.
 
     A request's step is the first ``STEPn``/``PLAIN`` marker in its text; ``answers`` maps it to a reply
-    text or an HTTP status. Every request body is recorded.
+    text or an HTTP status. A request with no marker (a calibration filler crowding the batch) is answered
+    ``FILLER``'s reply: a dropped filler would count towards the circuit breaker. Every request body is
+    recorded.
     """
 
     def __init__(self) -> None:
-        self.answers: dict[str, str | int] = {"STEP1": "alpha", "STEP2": "beta", "STEP3": "yes", "PLAIN": "4"}
+        self.answers: dict[str, str | int] = {
+            "STEP1": "alpha",
+            "STEP2": "beta",
+            "STEP3": "yes",
+            "PLAIN": "4",
+            "FILLER": "ok",
+        }
         self.bodies: list[dict] = []
         self.jitter = 0.0  # σ of gaussian noise on every logprob (a noisy engine)
         self.shift: dict[str, float] = {}  # marker → logprob offset (a silent change under one step)
@@ -207,7 +215,7 @@ class Scripted:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 scripted.bodies.append(body)
                 text = body.get("prompt") or " ".join(m["content"] for m in body.get("messages", []))
-                marker = next(m for m in scripted.answers if m in text)
+                marker = next((m for m in scripted.answers if m in text), "FILLER")
                 answer = scripted.answers[marker]
                 if isinstance(answer, int):
                     self._send(answer, {"error": {"message": "scripted failure"}})

@@ -133,7 +133,11 @@ def test_an_unchanged_fleet_gives_no_drift_whichever_member_answers_the_snapshot
 
 
 def test_new_weights_behind_a_members_fingerprint_are_drift_of_its_configuration(lab):
-    one = lab(two(change(at=6, member="bf16", logprob_shift=-0.2, stack={BLOCKS: "2100"}), seed=4))
+    # one request at a time, so the seeded picks meet the requests in one order. In parallel, which member
+    # answers a first contact's crowded probes depends on thread timing: a configuration left short of its
+    # own probes learns, and a change during learning is `learning`, not drift (a flaky CI failure)
+    moved = change(at=6, member="bf16", logprob_shift=-0.2, stack={BLOCKS: "2100"})
+    one = lab(two(moved, seed=4, concurrency=1))
     for _ in range(5):
         one.cycle()
     later = results([one.cycle() for _ in range(5)])
