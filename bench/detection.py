@@ -83,6 +83,7 @@ with their logprobs withheld (`detection_text`).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import pickle
@@ -299,28 +300,41 @@ def serve_all(
             def take(variant: str, base_url: str, startup: float, deployed_here: bool = False) -> None:
                 """Probe a server; ``deployed_here``: canaryd also calibrates on it (the fleet)."""
                 backend = backend_for(base_url)
+                stamps = [("", time.perf_counter())]  # where a server's time goes, printed
+
+                def lap(step: str) -> None:
+                    stamps.append((step, time.perf_counter()))
+
                 try:
                     s = collect(variant, backend, startup, canaries, forced, tracking, settings, rng)
+                    lap("probes and samples")
                     if deployed_here:
                         s.extra["calibration"] = greedy_probes(backend, canaries, settings.k)
                         s.extra["forced calibration"] = greedy_probes(backend, forced, settings.k)
                         s.extra["tracking calibration"] = greedy_probes(backend, tracking, settings.k)
+                        lap("calibration")
                     block = vllm_block(base_url)
                     deps = products
                     if deployed_here:  # a user deploys on the fleet through its balancer
                         deps = deploy_suites(logs / "product" / variant, block)
                         print(f"product path, deployed on {variant}: {passes_of(deps)}", flush=True)
+                        lap("product deployment")
                     s.product = {
                         suite: trial_passes(dep, block, settings.product_trials, logs / "product" / "work")
                         for suite, dep in deps.items()
                     }
+                    lap("product passes")
                     s.met = completions(base_url, settings.met_pool, rng)
+                    lap("MET completions")
                     checks, scored = reference_checks(reference, canaries, s.greedy)
                     ref.checks.update(checks)
                     ref.scored.update(scored)
+                    lap("reference checks")
                     servers.setdefault(variant, []).append(s)
                 finally:
                     backend.close()
+                laps = ", ".join(f"{b[0]} {b[1] - a[1]:.0f} s" for a, b in itertools.pairwise(stamps))
+                print(f"  {variant}: {laps}", flush=True)
 
             # 2. an honest restart and the bf16 server together, and the fleet (both behind a balancer)
             t = time.perf_counter()

@@ -53,6 +53,7 @@ MET_PROMPTS = (
     "He opened the door and",
 )
 CONCURRENCY = 8
+ATTEMPTS = 3  # a seeded completion sent again is the same completion
 
 
 def completions(base_url: str, n: int, rng: random.Random) -> dict[str, list[tuple[str, ...]]]:
@@ -73,7 +74,13 @@ def completions(base_url: str, n: int, rng: random.Random) -> dict[str, list[tup
                 "seed": seed,
                 "logprobs": 0,  # the tokens of the completion, one by one
             }
-            r = client.post("/completions", json=body)
+            for attempt in range(ATTEMPTS):
+                try:
+                    r = client.post("/completions", json=body)
+                    break
+                except httpx2.TransportError:  # a kept-alive connection the server closed as it was reused
+                    if attempt + 1 == ATTEMPTS:
+                        raise
             r.raise_for_status()
             tokens = tuple(r.json()["choices"][0]["logprobs"]["tokens"])
             if len(tokens) != MET_TOKENS:
