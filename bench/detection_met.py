@@ -78,7 +78,7 @@ def completions(base_url: str, n: int, rng: random.Random) -> dict[str, list[tup
                 try:
                     r = client.post("/completions", json=body)
                     break
-                except httpx2.TransportError:  # a kept-alive connection the server closed as it was reused
+                except httpx2.TransportError:  # a connection dropped without an answer (seen mid-run)
                     if attempt + 1 == ATTEMPTS:
                         raise
             r.raise_for_status()
