@@ -29,6 +29,11 @@ class VLLMServerError(RuntimeError):
 
 
 PORT_ATTEMPTS = 3  # starts on a new free port when another process took the one chosen
+# One compute thread, left to the OS scheduler, unless the environment says otherwise. vLLM's CPU default
+# binds every server's thread to the same core, so two busy servers on one machine (a fleet behind a
+# balancer, tests in parallel) share that core while the others idle: a two-server fleet answered about 4×
+# slower. The thread count is vLLM's own serving default; its CPU results do not depend on either setting.
+THREADS = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 
 
 def free_port() -> int:
@@ -134,6 +139,7 @@ class VLLMServer:
         # 1 GiB KV cache is plenty for a 512-token tiny model; the default
         # (a share of RAM) would crowd a small CI machine.
         env = {
+            **THREADS,
             **os.environ,
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "HF_HUB_OFFLINE": "1",

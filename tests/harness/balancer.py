@@ -29,6 +29,7 @@ class Balancer:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True  # headers and body go out in two writes: no 40 ms ACK wait
 
             def log_message(self, *args) -> None:  # quiet
                 pass

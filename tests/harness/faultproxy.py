@@ -35,6 +35,7 @@ class FaultProxy:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True  # headers and body go out in two writes: no 40 ms ACK wait
 
             def log_message(self, *args: object) -> None:
                 pass

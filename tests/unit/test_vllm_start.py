@@ -1,7 +1,8 @@
 """`VLLMServer.start` when another process takes the free port it chose before the server binds it (tests
 on parallel workers start servers at once): it starts again on a new one; a port the caller named is never
-changed. The server here is a stand-in that binds and answers ``/health`` as vLLM does, and fails to bind
-with the same error."""
+changed. Its compute thread is one, unbound, unless the environment or the caller says otherwise. The
+server here is a stand-in that binds and answers ``/health`` as vLLM does, and fails to bind with the same
+error."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import pytest
 from canaryd.lab.vllm_process import VLLMServer, VLLMServerError
 
 SERVER = """
-import http.server, sys
+import http.server, os, sys
+print(os.environ.get("VLLM_CPU_OMP_THREADS_BIND"), os.environ.get("OMP_NUM_THREADS"), flush=True)
 class Health(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         self.send_response(200)
@@ -50,3 +52,22 @@ def test_a_port_the_caller_named_is_never_changed(tmp_path, taken):
     with pytest.raises(VLLMServerError, match="during start-up"):
         server.start()
     assert server.port == taken and server.proc is None
+
+
+@pytest.mark.parametrize(
+    ("outside", "given", "seen"),
+    [
+        ({}, {}, "nobind 1"),  # vLLM's default would bind every server's thread to one core
+        ({"OMP_NUM_THREADS": "2"}, {}, "nobind 2"),  # the environment wins
+        ({}, {"VLLM_CPU_OMP_THREADS_BIND": "1"}, "1 1"),  # and the caller's env
+    ],
+)
+def test_a_servers_compute_thread_is_one_and_unbound_unless_told_otherwise(
+    tmp_path, monkeypatch, outside, given, seen
+):
+    for name in ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in outside.items():
+        monkeypatch.setenv(name, value)
+    with StandIn(tmp_path, env=given, log_path=tmp_path / "server.log", startup_timeout=30) as server:
+        assert server.log_tail(1) == seen
