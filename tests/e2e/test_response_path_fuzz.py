@@ -26,7 +26,7 @@ import shutil
 import subprocess
 import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ from canaryd.judge.verdicts import Verdict
 from canaryd.observation import ErrorKind
 from canaryd.probe.run import plan, probe_backend
 from canaryd.store import Store
+from tests.harness.replay import KeepAliveHandler
 
 EXAMPLES = 200
 MAX_RESPONSE_BYTES = 256 * 1024  # small, so that some drawn bodies pass it (``too_large``)
@@ -324,9 +325,7 @@ class _Server(ThreadingHTTPServer):
     body: bytes = b""
 
 
-class _Answer(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-
+class _Answer(KeepAliveHandler):
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("content-length") or 0))
         body = self.server.body  # type: ignore[attr-defined]
@@ -335,9 +334,6 @@ class _Answer(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        pass
 
 
 def _promtool() -> str:

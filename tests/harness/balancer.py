@@ -8,9 +8,10 @@ from __future__ import annotations
 import http.client
 import random
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 from canaryd.lab.vllm_process import free_port
+from tests.harness.replay import KeepAliveHandler
 
 _HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding"}
 
@@ -27,13 +28,7 @@ class Balancer:
         self.set_pool(pool)
         balancer = self
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-            disable_nagle_algorithm = True  # headers and body go out in two writes: no 40 ms ACK wait
-
-            def log_message(self, *args) -> None:  # quiet
-                pass
-
+        class Handler(KeepAliveHandler):
             def _forward(self) -> None:
                 body = self.rfile.read(int(self.headers.get("content-length") or 0))
                 port = balancer.pick()

@@ -12,11 +12,12 @@ import json
 import socket
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import httpx2
 
 from canaryd.lab.vllm_process import free_port
+from tests.harness.replay import KeepAliveHandler
 
 MODES = ("pass", "hang", "429", "503", "badjson", "truncate", "nologprobs")
 
@@ -33,13 +34,7 @@ class FaultProxy:
         self.client = httpx2.Client(timeout=30)
         proxy = self
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-            disable_nagle_algorithm = True  # headers and body go out in two writes: no 40 ms ACK wait
-
-            def log_message(self, *args: object) -> None:
-                pass
-
+        class Handler(KeepAliveHandler):
             def _forward(self, body: bytes | None) -> httpx2.Response:
                 headers = {
                     k: v for k, v in self.headers.items() if k.lower() not in ("host", "content-length")

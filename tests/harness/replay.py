@@ -19,19 +19,24 @@ from typing import Any, Self
 DEFAULT_ANSWER = "OK"
 
 
+class KeepAliveHandler(BaseHTTPRequestHandler):
+    """A quiet handler that keeps connections open as real servers do. A reply goes out in two writes
+    (headers, body): without TCP_NODELAY the body waits on the client's delayed ACK, about 40 ms."""
+
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
 class Server:
     """A threaded JSON server on a free loopback port; a subclass answers each request in `_answer`."""
 
     def __init__(self) -> None:
         server = self
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-            disable_nagle_algorithm = True  # headers and body go out in two writes: no 40 ms ACK wait
-
-            def log_message(self, *args: object) -> None:
-                pass
-
+        class Handler(KeepAliveHandler):
             def _serve(self) -> None:
                 raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 status, headers, body = server._answer(self.command, self.path, self.headers, raw)
