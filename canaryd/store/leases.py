@@ -348,9 +348,10 @@ class Leases(Connected):
             self._heartbeat(plan, self._present())
         names = sorted(seconds)
         with self.engine.begin() as conn:
+            theirs: set[str] = set()
             if plan is not None:
                 self._assign(conn, plan)
-            theirs = self._theirs() if plan is not None else set()
+                theirs = self._theirs()
             params = {  # each backend's lease said held; only those that hash here extended
                 "holder": self.lease_holder,
                 "backends": names,
