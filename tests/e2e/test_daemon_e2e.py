@@ -25,8 +25,10 @@ from tests.harness.alerts import drift_alerts
 from tests.harness.services import (
     Service,
     WebhookReceiver,
+    answered,
     need,
     query,
+    scrapes,
     start_alertmanager,
     start_prometheus,
     wait_for,
@@ -261,8 +263,8 @@ def test_every_dashboard_panel_query_returns_data(stack):
     # a panel of a feature this daemon's config does not use has no series here; test_dashboard.py feeds it
     unused = {"Reference divergence (nats)"}  # no backend here names a reference
     assert unused <= {title for title, _ in queries}
-    empty = [(title, expr) for title, expr in queries if title not in unused and not stack.metric(expr)]
-    assert not empty, f"panels without data: {empty}"
+    empty = [(t, expr) for t, expr in queries if t not in unused and not answered(stack.prom_url, expr)]
+    assert not empty, f"panels without data: {empty}; {scrapes(stack.prom_url)}"
 
 
 def test_sigterm_exits_cleanly_with_an_intact_database(stack):

@@ -25,7 +25,7 @@ from canaryd.daemon.metrics import Metrics
 from canaryd.judge.reference import decide
 from canaryd.lab.vllm_process import free_port
 from canaryd.probe.reference import Check, Cycle
-from tests.harness.services import need, query, start_prometheus, wait_for
+from tests.harness.services import answered, need, query, scrapes, start_prometheus, wait_for
 from tests.unit.test_metrics import run
 
 REPO = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
@@ -111,8 +111,8 @@ def test_every_panel_query_returns_data_from_the_cached_exposition(dash, prometh
         lambda: query(url, "increase(canaryd_backend_stack_changes_total[1m]) > 0"),
         30,
     )
-    empty = [(title, q) for title, q in queries if not query(url, q)]
-    assert not empty, f"panels without data: {empty}"
+    empty = [(title, q) for title, q in queries if not answered(url, q)]
+    assert not empty, f"panels without data: {empty}; {scrapes(url)}"
 
 
 def test_the_alert_rules_evaluate_on_the_real_series(prometheus):
@@ -129,8 +129,9 @@ def test_the_alert_rules_evaluate_on_the_real_series(prometheus):
     bad = [(r["name"], r.get("lastError")) for g in groups for r in g["rules"] if r["health"] != "ok"]
     assert not bad, bad
     # the drifting canary is seen as drift on the real series (pending: its `for:` is a minute)
-    alerts = query(url, 'ALERTS{alertname="CanarydLogprobDrift"}')
-    assert alerts and alerts[0]["metric"]["instance"] and alerts[0]["metric"]["backend"] == "local"
+    alerts = answered(url, 'ALERTS{alertname="CanarydLogprobDrift"}')
+    assert alerts, f"no drift alert; {scrapes(url)}"
+    assert alerts[0]["metric"]["instance"] and alerts[0]["metric"]["backend"] == "local"
 
 
 def test_the_served_exposition_passes_promtool_lint(prometheus):

@@ -139,3 +139,25 @@ def query(prometheus_url: str, expr: str) -> list[dict]:
     body = r.json()
     assert body["status"] == "success", f"{expr}: {body}"
     return body["data"]["result"]
+
+
+def answered(prometheus_url: str, expr: str, timeout: float = 20) -> list[dict]:
+    """The query's answer, asked again for a while if empty. On a loaded machine a scrape can pass its
+    timeout (a second here); Prometheus then marks every series stale, and an instant query has no data
+    until the next scrape succeeds, nor an alert until its rule next holds. The next good scrape answers."""
+    try:
+        return wait_for(expr, lambda: query(prometheus_url, expr), timeout)
+    except AssertionError:
+        return []
+
+
+def scrapes(prometheus_url: str) -> str:
+    """The last minute's scrapes, for a failure message: whether the target, not the query, failed."""
+
+    def one(expr: str) -> str:
+        return next((r["value"][1] for r in query(prometheus_url, expr)), "?")
+
+    return (
+        f"scrapes up {one('sum_over_time(up[1m])')} of {one('count_over_time(up[1m])')} in the last"
+        f" minute, the slowest {one('max_over_time(scrape_duration_seconds[1m])')} s"
+    )
