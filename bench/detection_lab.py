@@ -346,11 +346,13 @@ class Shim:
     def __call__(self, obs: Observation, mix: Sequence[float]) -> Observation:
         shift = self._shifter(obs, mix)
         # a logprob stays ≤ 0: a near-certain token's noise is one-sided
-        tokens = [
-            replace(
-                t,
-                logprob=min(0.0, t.logprob + shift(i, t.token)),
-                top=tuple((x, min(0.0, v + shift(i, x))) for x, v in t.top),
+        tokens = [  # built, not `replace`d: a shim analysis makes millions
+            TokenLogprob(
+                t.token,
+                min(0.0, t.logprob + shift(i, t.token)),
+                t.token_id,
+                t.bytes,
+                tuple((x, min(0.0, v + shift(i, x))) for x, v in t.top),
             )
             for i, t in enumerate(obs.tokens)
         ]

@@ -64,14 +64,20 @@ def lt_matrix(rows: Sequence[Mapping[str, float]]) -> np.ndarray:
     """The rows aligned by token over their union, a missing token imputed with its row's minimum."""
     if not rows or any(not r for r in rows):
         raise ValueError("LT: every row needs at least one logprob")
+    # rows with the same tokens in the same order (most: one prompt's top-k) are filled together; per-row
+    # numpy calls cost most of a test. The union's order is the rows' order of first appearance either way.
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for i, r in enumerate(rows):
+        groups.setdefault(tuple(r), []).append(i)
     union: dict[str, int] = {}
-    for r in rows:
-        for t in r:
+    for tokens in groups:
+        for t in tokens:
             union.setdefault(t, len(union))
     m = np.empty((len(rows), len(union)), dtype=np.float64)
-    for i, r in enumerate(rows):
-        m[i] = min(r.values())
-        m[i, [union[t] for t in r]] = list(r.values())
+    for tokens, at in groups.items():
+        values = np.array([list(rows[i].values()) for i in at], dtype=np.float64)
+        m[at] = values.min(axis=1)[:, None]
+        m[np.ix_(at, [union[t] for t in tokens])] = values
     return m
 
 

@@ -30,8 +30,12 @@ else:
 
 
 def common_prefix(a: Sequence, b: Sequence) -> int:
-    """The first index where ``a`` and ``b`` differ (the shorter length if one is a prefix of the other)."""
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    """The first index where ``a`` and ``b`` differ (the shorter length if one is a prefix of the other).
+    Token ids or text (strings): one comparison in C first, as most probes repeat their references."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    return next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
 
 
 class Nearest:

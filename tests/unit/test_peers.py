@@ -37,6 +37,17 @@ def test_lt_imputes_a_missing_token_with_its_rows_minimum() -> None:
     assert m.tolist() == [[-1.0, -2.0, -2.0], [-1.5, -3.0, -3.0]]
 
 
+def test_lt_aligns_rows_of_the_same_tokens_and_of_others_in_the_order_tokens_first_appear() -> None:
+    # rows 0 and 2 share their tokens in order (filled together), row 3 has them reversed, row 1 others
+    rows = [{"a": -1.0, "b": -2.0}, {"b": -0.5, "c": -4.0}, {"a": -3.0, "b": -1.0}, {"b": -7.0, "a": -6.0}]
+    assert lt_matrix(rows).tolist() == [
+        [-1.0, -2.0, -2.0],
+        [-4.0, -0.5, -4.0],
+        [-3.0, -1.0, -3.0],
+        [-6.0, -7.0, -7.0],
+    ]
+
+
 def test_lt_statistic_equals_its_hand_value() -> None:
     # union a, b, c; |Δ| = 0.5, 1, 1 (b and c imputed); mean 2.5/3
     s = lt_statistic([{"a": -1.0, "b": -2.0}], [{"a": -1.5, "c": -3.0}])

@@ -18,6 +18,7 @@ from canaryd.judge.stats import (
     DetectorState,
     NoiseModel,
     Regime,
+    common_prefix,
     cusum,
     fit,
     min_out_for,
@@ -73,6 +74,22 @@ class Modal:
 
 
 # -- EXACT regime: a zero noise floor means any change counts ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "n"),
+    [
+        (("1", "2", "3"), ("1", "2", "3"), 3),  # the same
+        (("1", "2", "3"), ("1", "9", "3"), 1),  # parting inside
+        (("1", "2"), ("1", "2", "3"), 2),  # a prefix of the other, either way round
+        (("1", "2", "3"), ("1", "2"), 2),
+        (("5",), ("6",), 0),
+        ((), ("1",), 0),
+        ("abc", "abd", 2),  # answers without logprobs: characters
+    ],
+)
+def test_common_prefix_is_where_two_sequences_part(a, b, n):
+    assert common_prefix(a, b) == n
 
 
 def test_bit_identical_calibration_is_exact_and_any_change_counts():
