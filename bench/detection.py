@@ -83,7 +83,6 @@ with their logprobs withheld (`detection_text`).
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import pickle
@@ -106,21 +105,11 @@ from bench.detection_lab import (  # noqa: E402
     SHIM_JITTER,
     SHIM_MODES,
     Served,
-    backend_for,
     bench_canaries,
-    collect,
     composed,
-    forced_canaries,
-    greedy_probes,
-    lt_probes,
     mean_completion_tokens,
-    reference_checks,
-    sampled,
-    server,
-    tracking_canaries,
     trained_model,
 )
-from bench.detection_met import MET_ROW, completions, met_table, met_trials  # noqa: E402
 from bench.detection_methods import (  # noqa: E402
     DEFAULT_RULE,
     METHODS,
@@ -130,25 +119,25 @@ from bench.detection_methods import (  # noqa: E402
     permutations_for,
 )
 from bench.detection_peers import PEER_REQUESTS, PEERS, split  # noqa: E402
-from bench.detection_product import SUITES, deploy_suites, passes_of, trial_passes, vllm_block  # noqa: E402
-from bench.detection_product import table as product_table  # noqa: E402
-from bench.detection_race import as_json, off_test_cost, per_method_table, race, race_table, tally  # noqa: E402
+from bench.detection_race import as_json, off_test_cost, race  # noqa: E402
 from bench.detection_report import (  # noqa: E402
     Cells,
     figures,
     method_table,
     power_table,
+    print_met,
+    print_product,
+    print_race,
     targets,
     tokens_per_request,
 )
+from bench.detection_serve import serve_all  # noqa: E402
 from bench.detection_shim import shim_outcomes  # noqa: E402
 from bench.detection_text import TEXT_METHODS, text_only  # noqa: E402
 from canaryd import log  # noqa: E402
 from canaryd.config import CompareConfig  # noqa: E402
-from canaryd.judge.stats import fit  # noqa: E402
 from canaryd.lab.tinymodel import finetune_step, perturb_weights  # noqa: E402
 from canaryd.stack import configuration_of  # noqa: E402
-from tests.harness.balancer import Balancer  # noqa: E402
 
 SHIM_SIGMAS = (0.003, 0.02)  # nats: σ_mode of the synthetic Gaussian modes
 SHIM_LEVELS = (*SHIM_SIGMAS, "gpu-bf16")  # and a preset of the realistic model (docs/detection.md)
@@ -254,168 +243,6 @@ def analyse(
                 for r, outcomes in method(ref, s, settings, alpha, rng).items():
                     cells.setdefault((name, variant), {}).setdefault(r, []).extend(outcomes)
     return split(cells)
-
-
-def serve_all(
-    canaries: list, model: Path, weights: dict[str, Path], settings: Settings, logs: Path, seed: int
-) -> tuple[Reference, dict[str, list[Served]], list[int], dict[str, float]]:
-    """Every server of the run, one (or, for the fleet, two) at a time beside the baseline server, which
-    stays up as every variant's reference: what each gave."""
-    phases: dict[str, float] = {}
-    rng = random.Random(seed)
-    servers: dict[str, list[Served]] = {}
-    # 1. the baseline server: calibration and baseline texts, the forced canaries, the peers' references
-    t = time.perf_counter()
-    with server(model, "float32", logs, "baseline") as srv:
-        reference = backend_for(srv.base_url)
-        try:
-            calibration = greedy_probes(reference, canaries, settings.k)
-            forced = forced_canaries(reference)
-            tracking = tracking_canaries()
-            ref = Reference(
-                canaries,
-                calibration,
-                {cid: fit(obs) for cid, obs in calibration.items()},
-                {cid: obs[0] for cid, obs in calibration.items()},
-                sampled(reference, canaries, settings.samples, rng),
-                lt_probes(reference, settings.lt_pool),
-                settings.k,
-                forced,
-                greedy_probes(reference, forced, settings.k),
-                tracking=tracking,
-                tracking_calibration=greedy_probes(reference, tracking, settings.k),
-            )
-            ref.met = completions(srv.base_url, settings.met_pool, rng)  # MET's reference completions
-            # the product path: a canaryd per shipped suite deployed on the baseline server, as a user runs it
-            products = deploy_suites(logs / "product" / "baseline", vllm_block(srv.base_url))
-            print(f"product path, deployed on the baseline server: {passes_of(products)}", flush=True)
-            phases["baseline server"] = time.perf_counter() - t
-            print(
-                f"baseline: {len(canaries)} canaries, K={settings.k} probes each, regimes: "
-                + ", ".join(f"{cid} {m.regime.value}" for cid, m in ref.models.items())
-                + f"; forced: {', '.join(f'{c.prompt!r} → {c.continuation!r}' for c in forced)}",
-                flush=True,
-            )
-
-            def take(variant: str, base_url: str, startup: float, deployed_here: bool = False) -> None:
-                """Probe a server; ``deployed_here``: canaryd also calibrates on it (the fleet)."""
-                backend = backend_for(base_url)
-                stamps = [("", time.perf_counter())]  # where a server's time goes, printed
-
-                def lap(step: str) -> None:
-                    stamps.append((step, time.perf_counter()))
-
-                try:
-                    s = collect(variant, backend, startup, canaries, forced, tracking, settings, rng)
-                    lap("probes and samples")
-                    if deployed_here:
-                        s.extra["calibration"] = greedy_probes(backend, canaries, settings.k)
-                        s.extra["forced calibration"] = greedy_probes(backend, forced, settings.k)
-                        s.extra["tracking calibration"] = greedy_probes(backend, tracking, settings.k)
-                        lap("calibration")
-                    block = vllm_block(base_url)
-                    deps = products
-                    if deployed_here:  # a user deploys on the fleet through its balancer
-                        deps = deploy_suites(logs / "product" / variant, block)
-                        print(f"product path, deployed on {variant}: {passes_of(deps)}", flush=True)
-                        lap("product deployment")
-                    s.product = {
-                        suite: trial_passes(dep, block, settings.product_trials, logs / "product" / "work")
-                        for suite, dep in deps.items()
-                    }
-                    lap("product passes")
-                    s.met = completions(base_url, settings.met_pool, rng)
-                    lap("MET completions")
-                    checks, scored = reference_checks(reference, canaries, s.greedy)
-                    ref.checks.update(checks)
-                    ref.scored.update(scored)
-                    lap("reference checks")
-                    servers.setdefault(variant, []).append(s)
-                finally:
-                    backend.close()
-                laps = ", ".join(f"{b[0]} {b[1] - a[1]:.0f} s" for a, b in itertools.pairwise(stamps))
-                print(f"  {variant}: {laps}", flush=True)
-
-            # 2. an honest restart and the bf16 server together, and the fleet (both behind a balancer)
-            t = time.perf_counter()
-            with (
-                server(model, "float32", logs, "N0-0") as f32,
-                server(model, "bfloat16", logs, "D1") as bf16,
-            ):
-                take("N0", f32.base_url, f32.startup_seconds or 0.0)
-                take("D1", bf16.base_url, bf16.startup_seconds or 0.0)
-                with Balancer({f32.port: 1, bf16.port: 1}, seed=seed) as lb:
-                    take("F", lb.base_url, 0.0, deployed_here=True)
-                    fleet_hits = [lb.served.get(port, 0) for port in (f32.port, bf16.port)]
-            phases["N0, D1 and F servers"] = time.perf_counter() - t
-            print(
-                f"N0, D1, F: served and probed in {phases['N0, D1 and F servers']:.0f} s "
-                f"(F split {fleet_hits})",
-                flush=True,
-            )
-
-            # 3. the other variants, one server at a time
-            plan = [("N0", model, "float32")] * (settings.restarts - 1) + [
-                (v, w, "float32") for v, w in weights.items()
-            ]
-            for i, (variant, w, dtype) in enumerate(plan, 1):
-                t = time.perf_counter()
-                with server(w, dtype, logs, f"{variant}-{i}") as srv:
-                    take(variant, srv.base_url, srv.startup_seconds or 0.0)
-                phases[f"{variant} server {i}"] = time.perf_counter() - t
-                print(f"{variant}: served and probed in {phases[f'{variant} server {i}']:.0f} s", flush=True)
-        finally:
-            reference.close()
-    return ref, servers, fleet_hits, phases
-
-
-def print_product(servers: dict[str, list[Served]], settings: Settings, quick: bool) -> dict:
-    """The product path's figures (printed): per variant and shipped suite, pooled over its servers."""
-    results = {
-        v: {suite: [p for s in ss for p in s.product.get(suite, [])] for suite in SUITES}
-        for v, ss in servers.items()
-        if any(s.product for s in ss)
-    }
-    print(
-        f"PRODUCT PATH ({'QUICK: ' if quick else ''}{settings.product_trials} `canaryd check` passes per "
-        "server and suite, each from a fresh copy of the deployed state; N0 pooled over its restarts; FQ1 "
-        "is composed, not served, so it has none): an alarm is exit code 1"
-    )
-    print(product_table(results, honest=("N0", "F")))
-    return {v: {suite: [asdict(p) for p in ps] for suite, ps in by.items()} for v, by in results.items()}
-
-
-def print_met(
-    ref: Reference, servers: dict[str, list[Served]], ladder: list[str], settings: Settings, args
-) -> dict:
-    """MET at its paper's settings (printed): its trials per served variant (FQ1 is composed: none)."""
-    rng = random.Random(f"{args.seed}-met")
-    b = permutations_for(args.alpha, settings.permutation_floor)
-    results = {
-        v: [x for s in ss for x in met_trials(ref.met, s.met, settings.trials, args.alpha, b, rng)]
-        for v, ss in servers.items()
-        if all(s.met for s in ss)
-    }
-    print(
-        f"{MET_ROW}: {settings.trials} trials per server, {b} permutations, each trial 10 of the "
-        f"{settings.met_pool} completions per prompt a server gave; ignore_eos and min_tokens = 50"
-        + (" (QUICK: a pool of 12 per prompt, so trials overlap)" if args.quick else "")
-    )
-    print("\n".join(met_table(results, ladder, args.seed, settings.resamples)))
-    return {v: [[a, p] for a, p in xs] for v, xs in results.items()}
-
-
-def print_race(label: str, result: dict, off: dict[str, str] | None, rs) -> None:
-    """The race of one row set: per method with intervals, then the differences from canaryd."""
-    print(f"{label}, per method and budget: ladder AUC with a bootstrap 95% CI, false alarms with bounds")
-    print(per_method_table(result, rs, off))
-    print()
-    print(f"{label}, at equal requests: canaryd's mode − each method (paired bootstrap CI; inside: tie)")
-    print(race_table(result, "requests"))
-    print()
-    print(f"{label}, at equal tokens per test: canaryd's best mode within the budget − each method")
-    print(race_table(result, "tokens"))
-    print(f"{label}, at equal tokens: {tally(result)}")
 
 
 def main() -> None:

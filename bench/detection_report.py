@@ -1,14 +1,25 @@
-"""The detection bench's figures and tables: power, false alarms, ROC AUC, budgets, and the targets."""
+"""The detection bench's figures and tables: power, false alarms, ROC AUC, budgets, the targets, and the
+printed product-path, MET and race tables."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
+from dataclasses import asdict
+from typing import TYPE_CHECKING
 
 from bench.detection_lab import Served
-from bench.detection_methods import OURS, REFERENCE_ROW, REQUESTS, Outcome
+from bench.detection_met import MET_ROW, met_table, met_trials
+from bench.detection_methods import OURS, REFERENCE_ROW, REQUESTS, Outcome, Reference, permutations_for
 from bench.detection_peers import DIFR, PEER_REQUESTS
+from bench.detection_product import SUITES
+from bench.detection_product import table as product_table
+from bench.detection_race import per_method_table, race_table, tally
 from bench.intervals import clopper_pearson, rate
 from bench.peers import roc_auc
+
+if TYPE_CHECKING:
+    from bench.detection import Settings
 
 POWER = 0.95
 TOKEN_TARGET = 48  # LT's budget per test in its paper (28 input + 20 output tokens)
@@ -209,3 +220,52 @@ def targets(
 def zero_hit_tests(alpha: float) -> int:
     """How many tests without an alarm bring the Clopper–Pearson upper bound below 2α."""
     return next(n for n in range(1, 10**6) if clopper_pearson(0, n)[1] < 2 * alpha)
+
+
+def print_product(servers: dict[str, list[Served]], settings: Settings, quick: bool) -> dict:
+    """The product path's figures (printed): per variant and shipped suite, pooled over its servers."""
+    results = {
+        v: {suite: [p for s in ss for p in s.product.get(suite, [])] for suite in SUITES}
+        for v, ss in servers.items()
+        if any(s.product for s in ss)
+    }
+    print(
+        f"PRODUCT PATH ({'QUICK: ' if quick else ''}{settings.product_trials} `canaryd check` passes per "
+        "server and suite, each from a fresh copy of the deployed state; N0 pooled over its restarts; FQ1 "
+        "is composed, not served, so it has none): an alarm is exit code 1"
+    )
+    print(product_table(results, honest=("N0", "F")))
+    return {v: {suite: [asdict(p) for p in ps] for suite, ps in by.items()} for v, by in results.items()}
+
+
+def print_met(
+    ref: Reference, servers: dict[str, list[Served]], ladder: list[str], settings: Settings, args
+) -> dict:
+    """MET at its paper's settings (printed): its trials per served variant (FQ1 is composed: none)."""
+    rng = random.Random(f"{args.seed}-met")
+    b = permutations_for(args.alpha, settings.permutation_floor)
+    results = {
+        v: [x for s in ss for x in met_trials(ref.met, s.met, settings.trials, args.alpha, b, rng)]
+        for v, ss in servers.items()
+        if all(s.met for s in ss)
+    }
+    print(
+        f"{MET_ROW}: {settings.trials} trials per server, {b} permutations, each trial 10 of the "
+        f"{settings.met_pool} completions per prompt a server gave; ignore_eos and min_tokens = 50"
+        + (" (QUICK: a pool of 12 per prompt, so trials overlap)" if args.quick else "")
+    )
+    print("\n".join(met_table(results, ladder, args.seed, settings.resamples)))
+    return {v: [[a, p] for a, p in xs] for v, xs in results.items()}
+
+
+def print_race(label: str, result: dict, off: dict[str, str] | None, rs) -> None:
+    """The race of one row set: per method with intervals, then the differences from canaryd."""
+    print(f"{label}, per method and budget: ladder AUC with a bootstrap 95% CI, false alarms with bounds")
+    print(per_method_table(result, rs, off))
+    print()
+    print(f"{label}, at equal requests: canaryd's mode − each method (paired bootstrap CI; inside: tie)")
+    print(race_table(result, "requests"))
+    print()
+    print(f"{label}, at equal tokens per test: canaryd's best mode within the budget − each method")
+    print(race_table(result, "tokens"))
+    print(f"{label}, at equal tokens: {tally(result)}")
