@@ -120,16 +120,19 @@ def met_trials(
     return out
 
 
+HONEST = ("N0", "F")  # same weights: every alarm on them is false
+
+
 def met_table(
     results: dict[str, list[tuple[bool, float]]], ladder: Sequence[str], seed: int, resamples: int
 ) -> list[str]:
-    """Per variant power (N0: false alarms) with its Clopper–Pearson interval, and the ladder AUC (scores
-    −p, ladder against N0) with its bootstrap interval."""
+    """Per variant power (the honest N0 and F: false alarms) with its Clopper–Pearson interval, and the
+    ladder AUC (scores −p, ladder against N0) with its bootstrap interval."""
     lines = []
     for variant, outcomes in results.items():
         hits = sum(a for a, _ in outcomes)
         low, high = clopper_pearson(hits, len(outcomes))
-        what = "false alarms" if variant == "N0" else "power"
+        what = "false alarms" if variant in HONEST else "power"
         lines.append(f"{variant}: {what} {hits}/{len(outcomes)} [{low:.3f}, {high:.3f}]")
     pos = [-p for v in ladder for _, p in results.get(v, [])]
     neg = [-p for _, p in results.get("N0", [])]

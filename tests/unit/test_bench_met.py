@@ -23,6 +23,8 @@ def test_one_distribution_is_quiet_and_another_alarms():
     moved = met_trials(base, other, 20, 0.01, 199, rng)
     assert sum(a for a, _ in quiet) <= 2
     assert all(a for a, _ in moved) and max(p for _, p in moved) <= 0.01
-    lines = met_table({"N0": quiet, "G": moved}, ["G"], seed=0, resamples=200)
-    assert lines[0].startswith("N0: false alarms") and lines[1].startswith("G: power 20/20")
-    assert "ladder AUC (G vs N0): 1.000 [1.000, 1.000]" in lines[2]
+    lines = met_table({"N0": quiet, "F": quiet, "G": moved}, ["G"], seed=0, resamples=200)
+    # the honest fleet's alarms are false ones too; the AUC's negatives stay N0's
+    assert lines[0].startswith("N0: false alarms") and lines[1].startswith("F: false alarms")
+    assert lines[2].startswith("G: power 20/20")
+    assert "ladder AUC (G vs N0): 1.000 [1.000, 1.000]" in lines[3]
