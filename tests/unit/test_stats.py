@@ -73,9 +73,6 @@ class Modal:
         return obs(rows)
 
 
-# -- EXACT regime: a zero noise floor means any change counts ----------------------------------------
-
-
 @pytest.mark.parametrize(
     ("a", "b", "n"),
     [
@@ -90,6 +87,9 @@ class Modal:
 )
 def test_common_prefix_is_where_two_sequences_part(a, b, n):
     assert common_prefix(a, b) == n
+
+
+# -- EXACT regime: a zero noise floor means any change counts ----------------------------------------
 
 
 def test_bit_identical_calibration_is_exact_and_any_change_counts():
