@@ -102,6 +102,7 @@ sys.path.insert(0, str(REPO))
 from bench.detection_lab import (  # noqa: E402
     CACHE,
     FINETUNE_BATCH,
+    HONEST,
     SHIM_JITTER,
     SHIM_MODES,
     Served,
@@ -333,7 +334,7 @@ def main() -> None:
     order = ["N0", "F", "FQ1", "D1", "Q1", "Q2", *(f"P{f:g}" for f in settings.prune)]
     order += [f"FT{lr:g}" for lr in settings.finetune]
     order += [f"G{s:g}" for s in settings.g_scales]
-    ladder = [v for v in order if v not in ("N0", "F", "FQ1")]
+    ladder = [v for v in order if v not in (*HONEST, "FQ1")]
     c = len(canaries)
     tokens = {name: tokens_per_request(name, servers["N0"][0]) for name in REQUESTS | PEER_REQUESTS}
     # the answer tokens a reference check scores per request (Token-DiFR counts these)

@@ -35,6 +35,7 @@ CANARY_IDS = (
 )
 MAX_TOKENS = 12
 CONCURRENCY = 8  # in-flight requests: the largest calibration batch, and the T=1 sampling
+HONEST = ("N0", "F")  # the restarts and the fleet serve the baseline's weights: every alarm is false
 SHIM_MODES = 4
 SHIM_JITTER = 0.15  # iid jitter as a share of σ_mode (0.003 vs 0.02 in docs/detection-research.md §2.4)
 SHIM_CAL_DAYS = 4  # the calibration probes are spread over this many simulated days (mode mixes)

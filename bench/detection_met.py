@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx2
 import numpy as np
 
+from bench.detection_lab import HONEST
 from bench.intervals import auc_interval, clopper_pearson
 from bench.peers import met_test
 
@@ -118,9 +119,6 @@ def met_trials(
         t = met_test(s1, s2, MET_TOKENS, permutations=permutations, rng=npr)
         out.append((t.p_value <= alpha, t.p_value))
     return out
-
-
-HONEST = ("N0", "F")  # same weights: every alarm on them is false
 
 
 def met_table(

@@ -26,6 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.detection_lab import HONEST  # noqa: E402
 from bench.intervals import clopper_pearson  # noqa: E402
 from canaryd.api import Canaryd  # noqa: E402
 from canaryd.config import load_config  # noqa: E402
@@ -250,7 +251,7 @@ def main() -> None:
         f"\nPRODUCT PATH, reduced run: {args.trials} `check` passes per server and suite, "
         f"N0 over {args.restarts} restarts; {time.perf_counter() - t:.0f} s"
     )
-    print(table(results, honest=("N0", "F")))
+    print(table(results, honest=HONEST))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from bench.detection_lab import HONEST
 from bench.detection_methods import OURS, REFERENCE_ROW, SHIPPED, TRACKING_ROW, Outcome
 from bench.detection_peers import DIFR, LT, LT_P, LT_PROD, MET
 from bench.intervals import Interval, auc_difference, auc_interval, clopper_pearson, verdict
@@ -79,7 +80,7 @@ def race(
         per[name] = {}
         for r in sorted(cells.get((name, "N0"), {})):
             auc = auc_interval(*ladder_scores(cells, name, ladder, r), rng=rng, resamples=resamples)
-            fa = {v: false_alarms(cells, name, v, r) for v in ("N0", "F") if (name, v) in cells}
+            fa = {v: false_alarms(cells, name, v, r) for v in HONEST if (name, v) in cells}
             per[name][r] = {
                 "tokens": c * r * tokens[name],
                 "auc": auc,

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
-from bench.detection_lab import Served
+from bench.detection_lab import HONEST, Served
 from bench.detection_met import MET_ROW, met_table, met_trials
 from bench.detection_methods import OURS, REFERENCE_ROW, REQUESTS, Outcome, Reference, permutations_for
 from bench.detection_peers import DIFR, PEER_REQUESTS
@@ -59,7 +59,7 @@ def figures(cells: Cells, ladder: Sequence[str], c: int, tokens: dict[str, float
                 r: roc_auc([o.score for o in x], [o.score for o in null.get(r, [])]) for r, x in by_r.items()
             },
             "power_095": None
-            if need is None or variant in ("N0", "F")
+            if need is None or variant in HONEST
             else {"r": need, "requests": c * need, "tokens": round(c * need * tokens[name])},
         }
     for name in dict.fromkeys(n for n, _ in cells):
@@ -107,14 +107,14 @@ def power_table(cells: Cells, figs: dict, variants: Sequence[str], rs: Sequence[
                 x = by_r.get(r)
                 if x is None:
                     row.append("—")
-                elif v in ("N0", "F"):
+                elif v in HONEST:
                     row.append(rate(sum(o.reject for o in x), len(x)))
                 else:
                     row.append(f"{power(x):.2f}")
             need = cellf["power_095"]
             need_s = (
                 "(honest)"
-                if v in ("N0", "F")
+                if v in HONEST
                 else "not reached"
                 if need is None
                 else (f"r={need['r']}: {need['requests']} req, {need['tokens']} tok")
@@ -160,7 +160,7 @@ def targets(
     (Token-DiFR's unit); ``race``: `detection_race.race` of the same cells."""
     lines = []
     # the fleet is honest for canaryd's own modes; for the reference check its bf16 member is a true mismatch
-    honest = [(name, v) for name in OURS for v in ("N0", "F")] + [(REFERENCE_ROW, "N0")]
+    honest = [(name, v) for name in OURS for v in HONEST] + [(REFERENCE_ROW, "N0")]
     for name, variant in honest:
         by_r = cells.get((name, variant), {})
         if not by_r:
@@ -234,7 +234,7 @@ def print_product(servers: dict[str, list[Served]], settings: Settings, quick: b
         "server and suite, each from a fresh copy of the deployed state; N0 pooled over its restarts; FQ1 "
         "is composed, not served, so it has none): an alarm is exit code 1"
     )
-    print(product_table(results, honest=("N0", "F")))
+    print(product_table(results, honest=HONEST))
     return {v: {suite: [asdict(p) for p in ps] for suite, ps in by.items()} for v, by in results.items()}
 
 
