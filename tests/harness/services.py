@@ -25,6 +25,10 @@ def need(binary: str) -> str:
     return path
 
 
+class TimedOut(AssertionError):
+    """`wait_for`'s condition never held (a test failure, like any assertion)."""
+
+
 def wait_for(what: str, check: Callable[[], object], timeout: float, every: float = 0.5) -> object:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -35,7 +39,7 @@ def wait_for(what: str, check: Callable[[], object], timeout: float, every: floa
         if result:
             return result
         time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+    raise TimedOut(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 class Service:
@@ -147,7 +151,7 @@ def answered(prometheus_url: str, expr: str, timeout: float = 20) -> list[dict]:
     until the next scrape succeeds, nor an alert until its rule next holds. The next good scrape answers."""
     try:
         return wait_for(expr, lambda: query(prometheus_url, expr), timeout)
-    except AssertionError:
+    except TimedOut:  # a query Prometheus refused fails here, with its error
         return []
 
 
