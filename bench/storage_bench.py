@@ -3,7 +3,9 @@
 Writes synthetic observations through the real `Store` on SQLite and prints how many bytes the database
 grows by for N identical observations (what a stable stack produces every 5 minutes) and for N distinct
 ones (different text and logprobs each time). Target: identical < 5 % of distinct. A third figure adds
-the per-request headers a hosted API sends (request id, rate-limit counters), which cannot be shared.
+the per-request headers a hosted API sends (request id, rate-limit counters), which cannot be shared; a
+fourth, the evidence of a calibrated latency, which differs on every probe (it is kept on the probe's
+event, so the identical answers still share one outcome).
 
     .venv/bin/python bench/storage_bench.py [-n 1000] [--tokens 16] [--top 5]
 
@@ -24,7 +26,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import math
+from dataclasses import replace
+
 from canaryd.judge.compare import compare
+from canaryd.judge.signals import SignalFit
 from canaryd.observation import Observation, TokenLogprob
 from canaryd.store import Store
 
@@ -131,10 +137,21 @@ def _size(path: Path) -> int:
     return pages * page_size
 
 
+LATENCY = SignalFit("latency_s", tuple(math.log(0.05 + k / 100) for k in range(10)))  # a calibration's
+
+
 def growth(
-    n: int, *, distinct: bool, tokens: int = 16, top: int = 5, api: bool = False, workdir: Path | None = None
+    n: int,
+    *,
+    distinct: bool,
+    tokens: int = 16,
+    top: int = 5,
+    api: bool = False,
+    latency: bool = False,
+    workdir: Path | None = None,
 ) -> int:
-    """Bytes the database grows by when N observations follow a baseline (after a WAL checkpoint)."""
+    """Bytes the database grows by when N observations follow a baseline (after a WAL checkpoint);
+    ``latency``: each judged on a calibrated latency too, as a calibrated backend's are."""
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
         path = Path(tmp) / "bench.db"
         store = Store(f"sqlite:///{path}")
@@ -146,7 +163,10 @@ def growth(
             o = synthetic(
                 i, tokens=tokens, top=top, distinct=distinct, headers=api_headers(i) if api else VLLM_HEADERS
             )
-            store.add_observation(run, o, compare(first, o, correct=True, baseline_correct=True), base_id)
+            c = compare(first, o, correct=True, baseline_correct=True)
+            if latency:
+                c = replace(c, latency=LATENCY.score(math.log(o.latency_s)))
+            store.add_observation(run, o, c, base_id)
         store.close()
         return _size(path) - before
 
@@ -160,6 +180,7 @@ def main() -> None:
     same = growth(a.n, distinct=False, tokens=a.tokens, top=a.top)
     diff = growth(a.n, distinct=True, tokens=a.tokens, top=a.top)
     api = growth(a.n, distinct=False, tokens=a.tokens, top=a.top, api=True)
+    timed = growth(a.n, distinct=False, tokens=a.tokens, top=a.top, latency=True)
     print(f"{a.n} observations, {a.tokens} tokens × top-{a.top} each, SQLite, after WAL checkpoint:")
     print(f"  identical:                       {same:>10,} bytes  ({same / a.n:,.0f} B/observation)")
     print(f"  distinct (new text + logprobs):  {diff:>10,} bytes  ({diff / a.n:,.0f} B/observation)")
@@ -167,6 +188,10 @@ def main() -> None:
     print(
         f"  identical, hosted-API headers:   {api:>10,} bytes  "
         f"({api / a.n:,.0f} B/observation, {api / diff:.1%})"
+    )
+    print(
+        f"  identical, calibrated latency:   {timed:>10,} bytes  "
+        f"({timed / a.n:,.0f} B/observation, {timed / diff:.1%})"
     )
 
 

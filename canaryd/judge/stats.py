@@ -410,14 +410,15 @@ def score(model: NoiseModel, obs: Observation) -> Evidence:
 
 def score_point(model: NoiseModel, x: Point) -> Evidence:
     """`score` of a probe already turned into its point."""
-    near = model.nearest()
-    if near is None:
+    if any(r.ids == x.ids and r.coords == x.coords for r in model.refs):
+        d = moved = 0.0  # a repeat of an honest probe (every probe of an exact backend): what the below give
+    elif (near := model.nearest()) is None:
         dists = [distance(x, r, model.spread, model.default_spread) for r in model.refs]
         nearest = min(range(model.k), key=dists.__getitem__)
-        moved = max_abs_delta(x, model.refs[nearest])
+        d, moved = dists[nearest], max_abs_delta(x, model.refs[nearest])
     else:
         dists, nearest, moved = near.score(x)  # the same, to the bit
-    d = dists[nearest]
+        d = dists[nearest]
     novel = x.completion not in model.completions
     if novel and d == 0.0:
         # tokens no honest probe produced, with nothing aligned that moved (or no logprobs at all): a change

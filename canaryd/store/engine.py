@@ -24,7 +24,7 @@ from canaryd.files import DIR_MODE, FILE_MODE
 from canaryd.store.cache import Cache
 
 MIGRATIONS = Path(__file__).with_name("migrations")
-SCHEMA_REVISION = "0008"  # the head revision (tests/unit/test_migrations.py checks it against the scripts)
+SCHEMA_REVISION = "0009"  # the head revision (tests/unit/test_migrations.py checks it against the scripts)
 TABLES = frozenset(
     {"run", "stack", "payload", "request", "outcome", "event", "observation", "baseline", "keep"}
 )

@@ -44,7 +44,11 @@ _COLUMNS = tuple(f.name for f in fields(StoredObservation))
 
 
 def _stored(row: ObservationRow) -> StoredObservation:
-    return StoredObservation(**{name: getattr(row, name) for name in _COLUMNS})
+    """The record of a view row; its comparison with the latency evidence its event keeps (0009 on)."""
+    values = {name: getattr(row, name) for name in _COLUMNS}
+    if row.latency_evidence is not None:
+        values["comparison"] = {**row.comparison, "latency": row.latency_evidence}
+    return StoredObservation(**values)
 
 
 def _to_observation(s: Session, row: ObservationRow) -> Observation:

@@ -14,7 +14,8 @@ Layout, chosen so that storage grows with change rather than with time:
 * ``request``: the exact request body sent, keyed by content hash (a canary's request rarely changes).
 * ``outcome``: what an observation saw and how it was judged (text, usage, fingerprint, stack, payload,
   verdict, the comparison with its baseline), keyed by content hash: an identical repeat re-uses it.
-* ``event``: one thin row per canary × backend × probe: run, time, latency, per-request headers and its
+* ``event``: one thin row per canary × backend × probe: run, time, latency, per-request headers, the
+  latency's calibrated evidence (a value of this probe alone, so it would make every outcome new) and its
   outcome. This is all an unchanged probe costs (about 100 bytes; see ``bench/storage_bench.py``).
 * ``observation``: a view over event ⋈ outcome ⋈ request ⋈ run, with the columns one observation always had
   (and the probing instance); reads go here.
@@ -116,6 +117,9 @@ class EventRow(SQLModel, table=True):
     started_at: datetime
     latency_s: float
     headers: dict = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    # the comparison's ``latency`` (`Evidence.as_dict`), kept out of the outcome since 0009; NULL: none,
+    # or written before 0009 (the outcome's comparison holds it)
+    latency_evidence: dict | None = Field(default=None, sa_column=Column(JSON, nullable=True))
 
 
 class ObservationRow(SQLModel, table=True):
@@ -153,6 +157,7 @@ class ObservationRow(SQLModel, table=True):
     verdict: str
     comparison: dict = Field(sa_column=Column(JSON, nullable=False))
     baseline_id: int | None = None
+    latency_evidence: dict | None = Field(default=None, sa_column=Column(JSON, nullable=True))  # of the event
 
 
 class BaselineRow(SQLModel, table=True):

@@ -142,13 +142,19 @@ class Writes(Connected):
         """One observation into ``s``; what it shares with earlier ones is stored once.
 
         The stack, payload, request and outcome are content-addressed, so an identical repeat adds one
-        ``event`` row (time, latency, headers) and nothing else. A key in ``known`` exists; any other is
-        looked up (the common case: it exists, and nothing is sent or locked) and otherwise inserted with ON
-        CONFLICT DO NOTHING, so a concurrent writer of the same content is no error. Keys now known to exist
-        go to ``learned``, outcomes' with their ids to ``found``.
+        ``event`` row (time, latency and its evidence, headers) and nothing else. A key in ``known``
+        exists; any other is looked up (the common case: it exists, and nothing is sent or locked) and
+        otherwise inserted with ON CONFLICT DO NOTHING, so a concurrent writer of the same content is no
+        error. Keys now known to exist go to ``learned``, outcomes' with their ids to ``found``.
         """
         obs, comparison, baseline_id = item
         verdict = str(comparison.verdict.value)
+        judged = comparison.as_dict()
+        # A calibrated latency's evidence is this probe's alone: on the event, so that a repeat's outcome is
+        # the same row (the view's reader puts it back, `queries._stored`).
+        latency = judged.get("latency")
+        if latency is not None:
+            judged = {**judged, "latency": None}
         stack_hash = None
         if obs.stack:
             stack_hash = hash_of(obs.stack)
@@ -186,7 +192,7 @@ class Writes(Connected):
             "error_kind": obs.error_kind.value if obs.error_kind else None,
             "correct": comparison.correct,
             "verdict": verdict,
-            "comparison": comparison.as_dict(),
+            "comparison": judged,
             "baseline_id": baseline_id,
         }
         outcome_hash = canonical_digest(fields)
@@ -203,6 +209,7 @@ class Writes(Connected):
             "started_at": obs.started_at,
             "latency_s": obs.latency_s,
             "headers": obs.headers,
+            "latency_evidence": latency,
         }
         event_id = s.connection().execute(_EVENT, event).inserted_primary_key[0]
         if verdict in FIRST_OF_CONFIGURATION:

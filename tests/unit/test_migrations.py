@@ -102,6 +102,29 @@ def test_upgrade_from_an_older_revision_keeps_the_data(url):
     assert schema_diff(url) == []
 
 
+def test_latency_evidence_written_before_0009_reads_back_from_its_outcome(url):
+    upgrade_to(url, "0008")
+    engine = create_engine(url)
+    before = '{"verdict": "identical", "latency": {"statistic": 0.2, "out": false}, "reference": null}'
+    with engine.begin() as conn:
+        for sql in (
+            "INSERT INTO run (backend, instance, started_at, canaries) "
+            "VALUES ('b', 'i', '2026-01-01 00:00:00', 1)",
+            "INSERT INTO request (hash, body) VALUES ('q', '{}')",
+            "INSERT INTO outcome (hash, backend, canary_id, suite, request_ref, request_hash, verdict, "
+            f"comparison) VALUES ('h', 'b', 'c', 's', 'q', 'r1', 'identical', '{before}')",
+            "INSERT INTO event (run_id, outcome_id, started_at, latency_s, headers) "
+            "SELECT run.id, outcome.id, '2026-01-01 00:00:00', 0.5, '{}' FROM run, outcome",
+        ):
+            conn.exec_driver_sql(sql)
+    engine.dispose()
+    store = Store(url)
+    (old,) = store.observations()
+    assert old.comparison["latency"] == {"statistic": 0.2, "out": False}
+    store.close()
+    assert schema_diff(url) == []
+
+
 def test_downgrade_with_data_and_back_then_to_base(url):
     store = Store(url, instance="x")
     store.start_run("b")

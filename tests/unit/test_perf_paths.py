@@ -251,7 +251,11 @@ def test_the_nearest_arrays_give_distance_and_the_largest_move_to_the_bit():
             assert dists == expected
             assert nearest == min(range(len(expected)), key=expected.__getitem__)
             assert moved == max_abs_delta(x, model.refs[nearest])
+        for r in model.refs:  # `score_point` takes a repeat of a reference for 0 and 0 without them
+            dists, nearest, moved = arrays.score(Point(r.ids, dict(r.coords)))
+            assert (dists[nearest], moved) == (0.0, 0.0)
         # the first score takes `distance`, later ones the arrays: the same evidence either way
         stored = NoiseModel.from_dict(json.loads(json.dumps(model.as_dict())))
-        first, second = score_point(stored, probes[0]), score_point(stored, probes[0])
+        new = [x for x in probes if not any(r.ids == x.ids and r.coords == x.coords for r in refs)]
+        first, second = score_point(stored, new[0]), score_point(stored, new[0])
         assert stored.nearest() is not None and first == second

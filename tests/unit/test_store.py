@@ -3,9 +3,11 @@
 import dataclasses
 import json
 import sqlite3
+from dataclasses import replace
 from datetime import UTC, datetime
 
 from canaryd.judge.compare import compare
+from canaryd.judge.evidence import Evidence
 from canaryd.judge.stats import DetectorState
 from canaryd.observation import Observation, TokenLogprob, canonical_digest
 from canaryd.store import Accepted, StackSeen, Store, StoredObservation
@@ -86,6 +88,31 @@ def test_unchanged_payloads_and_stacks_are_stored_once(tmp_path):
     assert len(store.stacks("b")) == 2
 
 
+def test_a_calibrated_latency_stays_on_its_event_and_the_repeated_outcome_is_stored_once(tmp_path):
+    """A latency's evidence differs on every probe: it is written on the event, so that identical answers
+    share one outcome row, and each observation reads back with its own."""
+    store = Store(f"sqlite:///{tmp_path}/h.db")
+    run = store.start_run("b")
+    first = make_obs()
+    store.add_observation(run, first, compare(None, first, correct=True), None)
+    latencies = [0.31, 0.29, 2.5]
+    for seconds in latencies:
+        o = make_obs()
+        o.latency_s = seconds
+        ev = Evidence(
+            "conformal-signal", statistic=seconds, threshold=1.0, p_value=0.5, detail={"value": seconds}
+        )
+        store.add_observation(run, o, replace(compare(first, o, correct=True), latency=ev), 1)
+    db = sqlite3.connect(tmp_path / "h.db")
+    assert db.execute("select count(*) from outcome").fetchone()[0] == 2  # the baseline's and the repeats'
+    read = [r.comparison["latency"] for r in store.observations(backend="b")][::-1]  # newest first
+    assert read[0] is None
+    assert [(lat["statistic"], lat["out"], lat["detail"]) for lat in read[1:]] == [
+        (s, s > 1.0, {"value": s}) for s in latencies
+    ]
+    assert list(store.observations(backend="b")[0].comparison)[-2:] == ["latency", "reference"]  # its place
+
+
 def test_errors_never_become_baselines_and_accept_takes_latest_success(tmp_path):
     store = Store(f"sqlite:///{tmp_path}/h.db")
     run = store.start_run("b")
@@ -121,7 +148,9 @@ def test_accepting_a_chained_canary_takes_every_step_and_only_its_steps(tmp_path
 def test_reads_return_plain_records_with_the_view_s_columns_and_json_forms(tmp_path):
     """The store hands out records, never rows: `StoredObservation` has exactly the view's columns, and
     its JSON form is what ``history --json`` printed when it dumped the row (pydantic: UTC as ``Z``)."""
-    assert [f.name for f in dataclasses.fields(StoredObservation)] == list(ObservationRow.model_fields)
+    view = list(ObservationRow.model_fields)
+    assert view[-1] == "latency_evidence"  # the event's, read into the comparison (`queries._stored`)
+    assert [f.name for f in dataclasses.fields(StoredObservation)] == view[:-1]
     store = Store(f"sqlite:///{tmp_path}/h.db", instance="i")
     run = store.start_run("b")
     o = make_obs()
@@ -130,7 +159,8 @@ def test_reads_return_plain_records_with_the_view_s_columns_and_json_forms(tmp_p
     (row,) = store.observations()
     assert isinstance(row, StoredObservation) and (row.id, row.run_id, row.instance) == (oid, run, "i")
     as_row = ObservationRow(**dataclasses.asdict(row))
-    assert row.as_dict() == as_row.model_dump(mode="json") and json.dumps(row.as_dict())
+    assert row.as_dict() == as_row.model_dump(mode="json", exclude={"latency_evidence"})
+    assert json.dumps(row.as_dict())
     assert row.as_dict()["started_at"] == "2026-01-01T03:04:05.123456Z"
     ((loaded_row, loaded),) = store.load([oid])
     assert loaded_row == row and loaded.tokens == o.tokens
