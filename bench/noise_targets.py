@@ -58,6 +58,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.intervals import clopper_pearson  # noqa: E402
 from canaryd import log  # noqa: E402
+from canaryd.canaries import load_suite  # noqa: E402
 from canaryd.judge.compare import Decision, decide  # noqa: E402
 from canaryd.judge.learning import Learning, is_learning  # noqa: E402
 from canaryd.judge.stats import DetectorState, NoiseModel  # noqa: E402
@@ -561,6 +562,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # the draws are seeded, but the pass sends canaries from worker threads, which order them: runs differ
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--models", help=f"comma-separated, of: {', '.join(MODELS)} (default: all, or quick's)")
+    ap.add_argument("--suite", type=Path, help="the models' suite (default: the shipped default suite)")
     args = ap.parse_args(argv)
     log.configure("critical")
     n = args.deployments or (1 if args.quick else 2)
@@ -570,6 +572,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         ap.error(f"--models: unknown {', '.join(unknown)} (known: {', '.join(MODELS)})")
     models = {k: MODELS[k] for k in names}
+    suite = args.suite.read_text() if args.suite else None
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="noise-targets-") as tmp:
         root = Path(tmp)
@@ -580,7 +583,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name, settings in models.items():
             # a quick run's Gaussian week is judged in full on every pass (its draws never repeat): shorter
             passes = 300 if args.quick and "noise" in settings else WEEK
-            results[name] = run_model(name, settings, n, passes, args.seed, root, shifts=True)
+            results[name] = run_model(name, settings, n, passes, args.seed, root, shifts=True, suite=suite)
         exact = run_model("exact", {}, n, WEEK // 4, args.seed + 50, root, shifts=True)
         idle, _ = run_model("near idle", NEAR_IDLE, n, WEEK // 4, args.seed + 60, root, shifts=False)
         sampled, _ = run_model(
@@ -593,9 +596,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             shifts=False,
             suite=SAMPLED,
         )
+    named = f"the {len(load_suite(args.suite).canaries)}-canary suite {args.suite.name}" if args.suite else ""
     print(
-        f"# noise targets ({'quick' if args.quick else 'full'}): {n} deployment(s) per model, the 13-canary "
-        "default suite, default [compare], no manual step"
+        f"# noise targets ({'quick' if args.quick else 'full'}): {n} deployment(s) per model, "
+        f"{named or 'the 13-canary default suite'} (the exact and near-idle rows: the default suite), "
+        "default [compare], no manual step"
     )
     rows = [r for r, _ in results.values()]
     print_quiet(rows, arl)

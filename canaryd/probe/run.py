@@ -10,10 +10,7 @@ event) is the one that answers, whether it is probed or asked as another backend
 
 from __future__ import annotations
 
-import os
-import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
@@ -33,6 +30,7 @@ from canaryd.judge.stats import CalibrationError, DetectorState, NoiseModel, noi
 from canaryd.observation import ErrorKind, Observation, storable, utcnow
 from canaryd.probe import answers, learn, living, reference, vet
 from canaryd.probe.shapes import Judged, shape_of
+from canaryd.probe.workers import workers
 from canaryd.stack import configuration_of, merge_stacks, stack_hash
 from canaryd.store import Reads, Store, open_store
 
@@ -105,7 +103,7 @@ def probe_backend(
             bound.exception("send_failed", canary=canary.id)
             return _missing(backend.name, canary, ErrorKind.INTERNAL, f"sending failed: {_describe(e)}")
 
-    with _workers("probe", backend.concurrency) as ex:
+    with workers("probe", backend.concurrency) as ex:
         sent = list(ex.map(progress.counted(one), canaries))
     answered = [obs for observations in sent for obs in observations if obs.ok]
     for obs in answered:
@@ -381,38 +379,6 @@ def _noted(c: Comparison, why: str) -> Comparison:
     return c if c.verdict is Verdict.ERROR else replace(c, reasons=(why, *c.reasons))
 
 
-_IDLE: dict[tuple[str, int, int], list[ThreadPoolExecutor]] = {}  # (name, workers, pid) → idle pools
-_IDLE_LOCK = threading.Lock()
-# Idle pools kept per name and size: as many as the passes that ran at once, up to this (a daemon probes
-# at most ``max_in_flight`` backends at once, each on a pool of its concurrency, whichever backend it is).
-KEEP_IDLE = 64
-
-
-@contextmanager
-def _workers(name: str, concurrency: int) -> Iterator[ThreadPoolExecutor]:
-    """A pool of ``concurrency`` threads named ``name`` for one pass (of a backend's canaries, or of the
-    backends), its own for the pass as before, but kept for a later pass once this one is done: starting
-    the threads again cost as much CPU as a probe. Passes at once each take their own pool; a pass that
-    fails shuts its pool down, as before. Backends share the pools of their size (not one per backend:
-    a thousand backends would keep thousands of idle threads)."""
-    key = (name, concurrency, os.getpid())  # a forked child never takes its parent's threads
-    with _IDLE_LOCK:
-        idle = _IDLE.setdefault(key, [])
-        ex = idle.pop() if idle else None
-    if ex is None:
-        ex = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix=name)
-    try:
-        yield ex
-    except BaseException:
-        ex.shutdown(wait=True)
-        raise
-    with _IDLE_LOCK:
-        if len(idle) < KEEP_IDLE:
-            idle.append(ex)
-            return
-    ex.shutdown(wait=True)
-
-
 def _describe(e: BaseException) -> str:
     return storable(f"{e.__class__.__name__}: {str(e)[:300]}")
 
@@ -455,7 +421,7 @@ def run_pass(
     if len(work) == 1:  # the daemon's way (a thread of its own per backend already): no second hop
         ((b, canaries),) = work.items()
         return [probe_backend(backends[b], canaries, store, config, refs[b])]
-    with _workers("backend", max(1, len(work))) as ex:
+    with workers("backend", max(1, len(work))) as ex:
         futures = [ex.submit(probe_backend, backends[b], w, store, config, refs[b]) for b, w in work.items()]
         return [f.result() for f in futures]
 

@@ -186,21 +186,21 @@ def test_the_payload_key_is_the_one_the_lists_gave():
 def test_a_pass_reuses_the_threads_of_the_last_one_and_passes_at_once_get_their_own():
     import threading
 
-    from canaryd.probe.run import _workers
+    from canaryd.probe.workers import workers
 
     def names(ex) -> set[int]:
         """The threads of two tasks that wait for each other: both workers, however loaded the machine."""
         both = threading.Barrier(2)
         return set(ex.map(lambda _: (both.wait(timeout=10), threading.get_ident())[1], range(2)))
 
-    with _workers("probe-b", 2) as ex:
+    with workers("probe-b", 2) as ex:
         first = names(ex)
-        with _workers("probe-b", 2) as other:  # a second pass of the backend at the same moment
+        with workers("probe-b", 2) as other:  # a second pass of the backend at the same moment
             assert other is not ex
-    with _workers("probe-b", 2) as again:
+    with workers("probe-b", 2) as again:
         assert again is ex and names(again) <= first  # the last pool idled, and no new thread
     try:
-        with _workers("probe-b", 2) as failing:
+        with workers("probe-b", 2) as failing:
             raise KeyError
     except KeyError:
         pass
