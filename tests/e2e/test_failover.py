@@ -304,15 +304,23 @@ def test_a_pass_longer_than_its_lease_keeps_its_backends_a_hung_one_loses_them_a
         gaps = [(later - earlier).total_seconds() for earlier, later in itertools.pairwise(starts)]
         assert all(gap >= 0.9 * e["duration_s"] for gap, e in zip(gaps, done, strict=False)), (gaps, done)
 
-        hang = threading.Event()
+        hang, entered = threading.Event(), threading.Event()
         probe = d._probe
-        d._probe = lambda *a: hang.wait() and probe(*a)  # b1's worker hangs: nothing finishes
+
+        def hung(*a):  # b1's worker hangs: nothing finishes
+            entered.set()
+            return hang.wait() and probe(*a)
+
+        d._probe = hung
         time.sleep(2)  # the last pass's stamps are a spacing ago
         stop.clear()
         job = threading.Thread(target=d._job, args=["fast"])
         begun = time.monotonic()
         with structlog.testing.capture_logs() as logs:
             job.start()
+            # the rival starts once the pass has claimed: on a loaded machine a claim that came after the
+            # last pass's leases ended would let it take them before this pass renewed anything
+            assert entered.wait(30)
             out.clear()
             rival = threading.Thread(target=lambda: out.update(_rival(url, stop, names)))
             rival.start()
