@@ -17,17 +17,16 @@ logprobs at full precision, vLLM-style token names and a 24-field vLLM stack.
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import sqlite3
 import sys
 import tempfile
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import math
-from dataclasses import replace
 
 from canaryd.judge.compare import compare
 from canaryd.judge.signals import SignalFit

@@ -100,7 +100,7 @@ def test_a_calibrated_latency_stays_on_its_event_and_the_repeated_outcome_is_sto
         o = make_obs()
         o.latency_s = seconds
         ev = Evidence(
-            "conformal-signal", statistic=seconds, threshold=1.0, p_value=0.5, detail={"value": seconds}
+            "conformal-nn", statistic=seconds, threshold=1.0, p_value=0.5, detail={"value": seconds}
         )
         store.add_observation(run, o, replace(compare(first, o, correct=True), latency=ev), 1)
     db = sqlite3.connect(tmp_path / "h.db")
