@@ -410,7 +410,7 @@ def score(model: NoiseModel, obs: Observation) -> Evidence:
 
 def score_point(model: NoiseModel, x: Point) -> Evidence:
     """`score` of a probe already turned into its point."""
-    if any(r.ids == x.ids and r.coords == x.coords for r in model.refs):
+    if x in model.refs:
         d = moved = 0.0  # a repeat of an honest probe (every probe of an exact backend): what the below give
     elif (near := model.nearest()) is None:
         dists = [distance(x, r, model.spread, model.default_spread) for r in model.refs]
