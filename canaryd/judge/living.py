@@ -123,7 +123,9 @@ def location(model: NoiseModel) -> Location:
         t = _t(model, _centre(refs[:i] + refs[i + 1 :]), modal, r)
         if t is not None:
             loo.append(abs(t))
-    return Location(_centre(refs), modal, max(W_FLOOR, *loo))
+    return Location(
+        _centre(refs), modal, max([W_FLOOR, *loo])
+    )  # no coordinate (a text-only answer): the floor
 
 
 def refit(

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from canaryd.judge.living import location, reach, refit
+from canaryd.judge.living import W_FLOOR, location, reach, refit
 from canaryd.judge.stats import NoiseModel, Point, distance, fit_points
 from canaryd.report.record import build_record, to_markdown
 from canaryd.report.tables import history_table
@@ -128,6 +128,15 @@ def test_refit_admits_a_wider_spread_and_refuses_a_moved_location_or_what_passes
     assert isinstance(far, str) and "widening cap" in far
     # a model stored with its refit reads back the same
     assert NoiseModel.from_dict(wider.as_dict()).refit == wider.refit
+
+
+def test_a_model_without_logprob_coordinates_has_a_location_that_tells_nothing():
+    """A text-only answer (a provider without logprobs) has no coordinate: its location is the floor and
+    no probe's statistic is defined, so a pass's refit check skips it (it used to raise on every pass)."""
+    texts = [Point(("Paris",), {}), Point(("Lyon",), {})] * 6
+    loc = location(fit_points("r", tuple(texts), {}))
+    assert loc.centre == {} and loc.bound == W_FLOOR
+    assert loc.t(fit_points("r", tuple(texts), {}), Point(("Paris",), {})) is None
 
 
 def test_a_modal_model_whose_every_path_came_twice_admits_a_grown_path_within_the_cap():
