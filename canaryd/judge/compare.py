@@ -422,6 +422,9 @@ class Decision:
     state: DetectorState
     cycle_e: float | None  # the cycle's combined e-value (None: no calibrated canary this cycle)
     out: tuple[str, ...] = field(default=())  # canary ids out this cycle
+    # the rules this cycle met, each enough to raise the alarm: "exact" (an exact-regime canary moved a
+    # second cycle running), "e-cusum" (the statistic reached arl), "min-out" (min_out canaries out at once)
+    raised: tuple[str, ...] = field(default=())
 
 
 def decide(
@@ -461,7 +464,10 @@ def decide(
         bounds = [min(1.0, sum(out_bound(ev) for ev in s.values())) for s in steps.values()]
         min_out = min_out_for(bounds, arl)
     fast = min_out is not None and len(out) >= min_out
-    alarm = state.alarm or bool(confirmed) or m >= arl or fast
+    raised = tuple(
+        rule for rule, met in (("exact", confirmed), ("e-cusum", m >= arl), ("min-out", fast)) if met
+    )
+    alarm = state.alarm or bool(raised)
     new_state = DetectorState(m, state.cycles + 1, alarm, exact)
     settled = []
     for c in comparisons:
@@ -480,4 +486,4 @@ def decide(
             held = Verdict.STACK_CHANGE if c.stack_changes or c.prompt_tokens_changed else Verdict.NOISE
             c = replace(c, verdict=held, reasons=(why, *c.reasons))
         settled.append(c)
-    return Decision(settled, new_state, e, out)
+    return Decision(settled, new_state, e, out, raised)

@@ -159,6 +159,7 @@ def probe_backend(
             e_cusum=decision.state.statistic,
             alarm=decision.state.alarm,
             out=list(decision.out),
+            raised=list(decision.raised),
         )
     # a chain names its first diverged step once the cycle's decision has settled each step's verdict
     settled = iter(decision.comparisons)

@@ -271,13 +271,23 @@ def calibrated_fleet(seed: int, n: int):
 def test_decide_holds_a_lone_modal_outlier_and_alarms_when_enough_canaries_move():
     ids, cycle = calibrated_fleet(30, 4)
     lone = decide(ids, cycle([0.05, 0, 0, 0]), DetectorState(), arl=1e4, min_out=2)
-    assert lone.out == ("c0",) and not lone.state.alarm
+    assert lone.out == ("c0",) and not lone.state.alarm and lone.raised == ()
     assert lone.comparisons[0].verdict is Verdict.NOISE and "out alone" in lone.comparisons[0].reasons[0]
     assert lone.state.cycles == 1 and lone.cycle_e is not None
 
     both = decide(ids, cycle([0.05, 0.05, 0, 0]), lone.state, arl=1e4, min_out=2)
-    assert both.state.alarm and set(both.out) == {"c0", "c1"}
+    assert both.state.alarm and set(both.out) == {"c0", "c1"} and both.raised == ("min-out",)
     assert [c.verdict for c in both.comparisons[:2]] == [Verdict.LOGPROB_DRIFT] * 2
+
+
+def test_decide_names_the_rule_that_raised_the_alarm_and_only_in_the_cycle_that_met_it():
+    ids, cycle = calibrated_fleet(31, 4)
+    moved = cycle([0.05, 0, 0, 0])
+    e = decide(ids, moved, DetectorState(), arl=1e4, min_out=5).cycle_e  # min_out 5 of 4: never met
+    by_cusum = decide(ids, moved, DetectorState(), arl=e, min_out=5)
+    assert by_cusum.state.alarm and by_cusum.raised == ("e-cusum",)
+    latched = decide(ids, cycle([0, 0, 0, 0]), by_cusum.state, arl=1e4, min_out=5)
+    assert latched.state.alarm and latched.raised == ()  # still on, raised by nothing this cycle
 
 
 def test_min_out_for_takes_the_fewest_outs_that_chance_explains_once_in_arl_cycles():
@@ -333,6 +343,7 @@ def test_decide_passes_exact_changes_through_and_without_evidence_changes_nothin
     assert "move again next cycle" in d.comparisons[0].reasons[-1]
     again = decide(["x"], [c], d.state, arl=1e4, min_out=2)
     assert again.state.alarm and again.comparisons[0].verdict is Verdict.LOGPROB_DRIFT
+    assert again.raised == ("exact",)  # one canary out never meets min_out 2
     plain = compare(obs(rows), obs(moved), correct=None)
     untouched = decide(["x"], [plain], DetectorState(), arl=1e4, min_out=2)
     assert (
