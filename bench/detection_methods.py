@@ -54,6 +54,9 @@ class Outcome:
     # companion rows decided on the same trial (row name → its outcome): `detection_peers.split` makes
     # them rows of their own, so their intervals pair trial by trial with this row's
     also: tuple[tuple[str, Outcome], ...] = ()
+    raised: tuple[
+        str, ...
+    ] = ()  # a detector's alarm: the rules its first alarm cycle met (`Decision.raised`)
 
 
 # canaryd's reference check, named for what it measures: the gap between the provider's reported logprobs
@@ -116,15 +119,18 @@ def detector_outcomes(
     cycles: Sequence[dict[str, Comparison]], rule: Rule, rs: Sequence[int]
 ) -> dict[int, Outcome]:
     """Run `decide` from a fresh detector over the cycles; the test of r cycles is their first r. Score:
-    (alarm on, largest e-CUSUM statistic, canaries out), all up to cycle r."""
+    (alarm on, largest e-CUSUM statistic, canaries out), all up to cycle r; an alarm names the rules that
+    raised it, so that false alarms can be told apart by the path that let them through."""
     state, peak, outs, after = DetectorState(), 0.0, 0, {}
     alarmed = False  # the backend's alarm stays on once raised
+    raised: tuple[str, ...] = ()
     for j, cycle in enumerate(cycles, 1):
         ids = list(cycle)
         d = decide(ids, [cycle[i] for i in ids], state, arl=rule.arl, min_out=rule.min_out)
         state, peak, outs = d.state, max(peak, d.state.statistic), outs + len(d.out)
+        raised = raised or d.raised
         alarmed = alarmed or state.alarm
-        after[j] = Outcome(alarmed, (alarmed, peak, outs))
+        after[j] = Outcome(alarmed, (alarmed, peak, outs), raised=raised)
     return {r: after[r] for r in rs}
 
 

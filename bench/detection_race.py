@@ -66,6 +66,16 @@ def false_alarms(cells: Cells, name: str, variant: str, r: float) -> tuple[int, 
     return hits, len(x), clopper_pearson(hits, len(x))[1] if x else float("nan")
 
 
+def alarm_rules(cells: Cells, name: str, variant: str, r: float) -> dict[str, int]:
+    """How many of the variant's alarms each rule raised (a cycle can meet several): for a detector's honest
+    variants, which path the false alarms came through."""
+    counts: dict[str, int] = {}
+    for o in cells.get((name, variant), {}).get(r, []):
+        for rule in o.raised if o.reject else ():
+            counts[rule] = counts.get(rule, 0) + 1
+    return counts
+
+
 def race(
     cells: Cells, ladder: Sequence[str], c: int, tokens: dict[str, float], seed: int, resamples: int
 ) -> dict:
@@ -86,6 +96,7 @@ def race(
                 "auc": auc,
                 "power": ladder_power(cells, name, ladder, r),
                 "false_alarms": fa,
+                "raised": {v: alarm_rules(cells, name, v, r) for v in fa},
             }
 
     def diff(a: str, ra: float, b: str, rb: float) -> Interval:
@@ -141,8 +152,14 @@ def race(
     return {"per": per, "equal_requests": requests, "equal_tokens": tokens_rows}
 
 
-def _fa(fa: dict) -> str:
-    return "; ".join(f"{v} {h}/{n} (≤ {ub:.3f})" for v, (h, n, ub) in fa.items()) or "—"
+def _fa(fa: dict, raised: dict) -> str:
+    """Each honest variant's false alarms, with the rules that raised a detector's (`alarm_rules`)."""
+
+    def rules(v: str) -> str:
+        counts = raised.get(v) or {}
+        return ", by " + ", ".join(f"{rule} {n}" for rule, n in sorted(counts.items())) if counts else ""
+
+    return "; ".join(f"{v} {h}/{n} (≤ {ub:.3f}{rules(v)})" for v, (h, n, ub) in fa.items()) or "—"
 
 
 def per_method_table(
@@ -158,7 +175,7 @@ def per_method_table(
         for r, x in by_r.items():
             if rs is not None and r not in rs and name not in (LT, LT_P, LT_PROD):
                 continue
-            fa = _fa(x["false_alarms"])
+            fa = _fa(x["false_alarms"], x["raised"])
             lines.append(f"| {name} | {r:g} | {x['tokens']:,.0f} | {x['auc']} | {x['power']:.2f} | {fa} |")
     if off:
         lines += ["", "| method | off-test cost (not in tokens/test) |", "|---|---|"]
@@ -217,6 +234,7 @@ def as_json(result: dict) -> dict:
                     "auc": iv(x["auc"]),
                     "power": x["power"],
                     "false_alarms": {v: list(fa) for v, fa in x["false_alarms"].items()},
+                    "raised": x["raised"],
                 }
                 for r, x in by_r.items()
             }

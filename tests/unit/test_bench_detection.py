@@ -231,6 +231,9 @@ def test_the_shim_moves_every_canaryd_mode_and_lt_alike(level):
         assert sum(len(x) for x in out[(name, "N0")].values()) == 2 * 40
         assert sum(o.reject for x in out[(name, "N0")].values() for o in x) <= 4  # α = 0.01 per test
         assert all(o.reject for o in out[(name, "G")][1])
+    for name in OURS:  # a detector's alarm names the rules its first alarm cycle met; a quiet test, none
+        assert all(o.raised for o in out[(name, "G")][1])
+        assert all(bool(o.raised) == o.reject for x in out[(name, "N0")].values() for o in x)
     # LT at C·r per budget and its paper's N = 10 (no token counts here, so no equal-token windows), with its
     # companion rows on the same trials
     assert set(out[(LT, "G")]) == {1, 2, 10 / 6} == set(lt_windows(ref, ShimSettings()))
@@ -283,3 +286,18 @@ def test_a_text_only_provider_races_only_what_reads_text_and_canaryd_judges_its_
         assert {o.score for o in out[v][2]} == {(False, 0.5, 0)}
     # one canary alone cannot alarm on one cycle at alpha 0.01 (its p-value ≥ 1/(K+1)); on two it does
     assert all(o.reject and o.score[2] == 2 for o in out["Q2"][2])
+
+
+def test_the_null_bench_counts_each_deployments_alarms_rules_and_outs():
+    """`bench/shim_null.py`: an exact server's honest answers under the shim, per detector row; an answer
+    that never moves (no shim) is never out and never alarms."""
+    from bench.shim_null import Deployed, Settings, honest
+
+    ref, servers = honest(6, 20, 16, seed=0)
+    out = split(shim_outcomes("gpu-bf16", ref, servers, Settings((4,), 10), 0.01, seed=0))
+    for row in OURS:
+        x = Deployed.of(out[(row, "N0")][4], 4 * 6)
+        assert x.tests == 10 and x.cells == 240 and 0 <= x.outs <= x.cells
+        assert sum(x.rules.values()) >= x.alarms  # each alarm names at least one rule
+    still = split(shim_outcomes(0.0, ref, servers, Settings((4,), 10), 0.01, seed=0))
+    assert all(Deployed.of(still[(row, "N0")][4], 24) == Deployed(0, 10, {}, 0, 240) for row in OURS)

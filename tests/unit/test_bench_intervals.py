@@ -10,7 +10,7 @@ import pytest
 
 from bench.detection_methods import TRACKING_ROW, Outcome
 from bench.detection_peers import LT
-from bench.detection_race import race, race_table, tally
+from bench.detection_race import per_method_table, race, race_table, tally
 from bench.detection_report import targets
 from bench.intervals import Interval, auc_difference, auc_interval, clopper_pearson, rate, verdict
 from bench.peers import roc_auc
@@ -103,6 +103,21 @@ def test_the_race_sets_each_method_at_its_largest_budget_within_canaryds_tokens(
         (r, m) for r in (1, 2) for m in ("canaryd", "canaryd teacher-forced")
     }
     assert result["per"]["canaryd"][1]["false_alarms"]["N0"][:2] == (0, 40)
+
+
+def test_false_alarms_are_counted_by_the_rule_that_raised_them() -> None:
+    """A detector's honest alarms are told apart by path (one cycle can meet two rules); the table says so."""
+    quiet = [Outcome(False, 0.0)] * 95
+    loud = [Outcome(True, 1.0, raised=("min-out",))] * 3 + [Outcome(True, 1.0, raised=("e-cusum", "min-out"))]
+    cells = {
+        ("canaryd", "N0"): {1: quiet + loud + [Outcome(True, 1.0, raised=("e-cusum",))]},
+        ("canaryd", "Q1"): {1: [Outcome(True, 1.0, raised=("min-out",))] * 100},
+    }
+    result = race(cells, ["Q1"], 6, {"canaryd": 98.0}, seed=0, resamples=50)
+    x = result["per"]["canaryd"][1]
+    assert x["false_alarms"]["N0"][:2] == (5, 100)
+    assert x["raised"]["N0"] == {"min-out": 4, "e-cusum": 2}
+    assert "N0 5/100 (≤ 0.113, by e-cusum 2, min-out 4)" in per_method_table(result)
 
 
 def test_at_equal_tokens_each_peer_also_meets_the_shipped_suite_where_another_mode_is_best() -> None:
