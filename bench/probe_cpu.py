@@ -4,7 +4,9 @@ A loopback server (``tests/harness/loopback.py``, in a child process so that its
 vLLM chat answer of 32 tokens with the top 5 alternatives each. In one run this measures, in ``--runs``
 rounds that each take all three side by side (medians printed; the ratios are medians of each round's):
 
-* the floor: a bare POST of the same request body to the same server, plus ``json.loads`` of the answer;
+* the floor: a bare POST of the same request body to the same server, plus ``json.loads`` of the answer,
+  with httpx (the client canaryd's transport is built on), and beside it with the standard library's
+  ``http.client`` (what the client itself costs);
 * the daemon path: `probe_backend` passes on one open store and backend (the step `run_pass` takes
   for each backend of a daemon cycle);
 * the CLI path: `one_pass`, which ``canaryd check`` runs: suites, backends and store opened every time;
@@ -20,6 +22,7 @@ beside these, its phases as the "before".
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import statistics
@@ -190,17 +193,29 @@ def measure(config, args) -> dict:
     def floor_once() -> None:
         json.loads(bare.post(chat_url, content=content, headers=compat.JSON).content)
 
+    url = httpx2.URL(chat_url)
+    plain = http.client.HTTPConnection(url.host, url.port)
+
+    def stdlib_once() -> None:
+        plain.request("POST", url.raw_path.decode(), body=content, headers=compat.JSON)
+        json.loads(plain.getresponse().read())
+
     def daemon_once() -> None:
         probe_backend(backend, canaries, store, config)
 
-    floor_once(), daemon_once()
-    rounds = []  # the three side by side in each round, so that a busy moment weighs on all of them
+    floor_once(), daemon_once(), stdlib_once()
+    rounds = []  # all four side by side in each round, so that a busy moment weighs on all of them
     for _ in range(runs):
         f, d = cpu(floor_once, passes * n), cpu(daemon_once, passes) / n
-        rounds.append((f, d, cpu(lambda: one_pass(config), max(3, passes // 3)) / n))
+        c = cpu(lambda: one_pass(config), max(3, passes // 3)) / n
+        rounds.append((f, d, c, cpu(stdlib_once, passes * n)))
     bare.close()
-    floor, daemon, cli = (statistics.median(r[i] for r in rounds) for i in range(3))
-    ratios = {key: statistics.median(r[i] / r[0] for r in rounds) for i, key in ((1, "daemon"), (2, "cli"))}
+    plain.close()
+    floor, daemon, cli, stdlib = (statistics.median(r[i] for r in rounds) for i in range(4))
+    ratios = {
+        key: statistics.median(r[i] / r[0] for r in rounds)
+        for i, key in ((1, "daemon"), (2, "cli"), (3, "stdlib"))
+    }
 
     # -- one probe, phase by phase ----------------------------------------------------------------
     k = passes * n
@@ -250,7 +265,8 @@ def measure(config, args) -> dict:
         phases["store write (observation)"].append(cpu(lambda: store.record(run_id, items, n), passes) / n)
     backend.close()
     store.close()
-    return {"floor": floor, "daemon": daemon, "cli": cli, "ratios": ratios, "canaries": n, "phases": phases}
+    figures = {"floor": floor, "daemon": daemon, "cli": cli, "stdlib": stdlib}
+    return figures | {"ratios": ratios, "canaries": n, "phases": phases}
 
 
 def report(now: dict, old: dict | None, args) -> None:
@@ -267,6 +283,7 @@ def report(now: dict, old: dict | None, args) -> None:
         ("floor: bare POST + json.loads", "floor"),
         ("daemon path (probe_backend)", "daemon"),
         ("CLI check path (one_pass)", "cli"),
+        ("bare POST + json.loads, http.client", "stdlib"),
     ):
         print(f"  {name:<44} {line(name, now, key)}" + (f"   {line(name, old, key)}" if old else ""))
     source = f"before: {args.before}" if old else "before: the per-probe calls"
