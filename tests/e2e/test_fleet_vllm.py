@@ -108,11 +108,11 @@ def test_a_random_two_configuration_fleet_then_a_change_inside_one_then_a_dtype_
     lab = Lab(tmp_path, SUITE, CONFIG.replace("{nginx}", str(nginx_port)))
     a = server(lab, "a", tiny_model, "float32")
     b = server(lab, "b", tiny_model, "bfloat16")
-    with (
-        a,
-        b,
+    with (  # the balancers bind first: a port picked long before it is bound can be taken meanwhile
         Balancer({a.port: 1, b.port: 1}, port=lab.port, seed=1) as lb,
         Nginx(tmp_path / "nginx", [a.port, b.port], port=nginx_port) as nginx,
+        a,
+        b,
     ):
         fp32, bf16 = (configuration_of({"response.system_fingerprint": fingerprint_of(s)}) for s in (a, b))
         assert fp32 != bf16  # the dtype is in vLLM's fingerprint
