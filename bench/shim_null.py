@@ -6,10 +6,11 @@ paths and a calibration over SHIM_CAL_DAYS simulated days; each test is a new da
 answers, with no vLLM: C one-token canaries, each answering the same token with a fixed top-20 (the tracking
 suite's shape), K calibration probes each, at the race's α and its rule (`alpha_rule`). canaryd's three
 detector rows judge the same kind of canary on calibrations drawn apart, so they are three more
-deployments each. Per row and deployment: alarms of the r-cycle tests, the rule that raised each
-(`Decision.raised`), and the share of canary-cycles out against the conformal bound 1/(K+1).
+deployments each. Per row: alarms of the r-cycle tests, the rule that raised each (`Decision.raised`),
+how many deployments had one, and the share of canary-cycles out against the conformal bound 1/(K+1), over
+all deployments and deployment by deployment (the bound holds on average over calibrations, not given one).
 
-    .venv/bin/python bench/shim_null.py [--preset gpu-bf16] [--tests 1000] [--deployments 5] [--r 16]
+    .venv/bin/python bench/shim_null.py [--preset gpu-bf16] [--tests 1000] [--deployments 5] [--r 16] [--each]
 """
 
 from __future__ import annotations
