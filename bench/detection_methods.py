@@ -54,9 +54,8 @@ class Outcome:
     # companion rows decided on the same trial (row name → its outcome): `detection_peers.split` makes
     # them rows of their own, so their intervals pair trial by trial with this row's
     also: tuple[tuple[str, Outcome], ...] = ()
-    raised: tuple[
-        str, ...
-    ] = ()  # a detector's alarm: the rules its first alarm cycle met (`Decision.raised`)
+    # a detector's alarm: the rules its first alarm cycle met (`Decision.raised`)
+    raised: tuple[str, ...] = ()
 
 
 # canaryd's reference check, named for what it measures: the gap between the provider's reported logprobs

@@ -5,7 +5,8 @@ method spends off the test (calibration, reference windows) in a column of its o
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -66,14 +67,14 @@ def false_alarms(cells: Cells, name: str, variant: str, r: float) -> tuple[int, 
     return hits, len(x), clopper_pearson(hits, len(x))[1] if x else float("nan")
 
 
-def alarm_rules(cells: Cells, name: str, variant: str, r: float) -> dict[str, int]:
-    """How many of the variant's alarms each rule raised (a cycle can meet several): for a detector's honest
-    variants, which path the false alarms came through."""
-    counts: dict[str, int] = {}
-    for o in cells.get((name, variant), {}).get(r, []):
-        for rule in o.raised if o.reject else ():
-            counts[rule] = counts.get(rule, 0) + 1
-    return counts
+def rule_counts(outcomes: Iterable[Outcome]) -> Counter[str]:
+    """How many of these alarms each rule raised (a cycle can meet several): for a detector's honest tests,
+    which path the false alarms came through."""
+    return Counter(rule for o in outcomes if o.reject for rule in o.raised)
+
+
+def describe_rules(counts: Mapping[str, int]) -> str:
+    return ", ".join(f"{rule} {n}" for rule, n in sorted(counts.items()))
 
 
 def race(
@@ -96,7 +97,7 @@ def race(
                 "auc": auc,
                 "power": ladder_power(cells, name, ladder, r),
                 "false_alarms": fa,
-                "raised": {v: alarm_rules(cells, name, v, r) for v in fa},
+                "raised": {v: dict(rule_counts(cells[(name, v)].get(r, []))) for v in fa},
             }
 
     def diff(a: str, ra: float, b: str, rb: float) -> Interval:
@@ -156,8 +157,7 @@ def _fa(fa: dict, raised: dict) -> str:
     """Each honest variant's false alarms, with the rules that raised a detector's (`alarm_rules`)."""
 
     def rules(v: str) -> str:
-        counts = raised.get(v) or {}
-        return ", by " + ", ".join(f"{rule} {n}" for rule, n in sorted(counts.items())) if counts else ""
+        return f", by {describe_rules(raised[v])}" if raised.get(v) else ""
 
     return "; ".join(f"{v} {h}/{n} (≤ {ub:.3f}{rules(v)})" for v, (h, n, ub) in fa.items()) or "—"
 

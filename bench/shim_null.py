@@ -20,6 +20,7 @@ import math
 import random
 import statistics
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -29,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.detection_lab import Served, check_key
 from bench.detection_methods import OURS, Reference
 from bench.detection_peers import split
+from bench.detection_race import describe_rules, rule_counts
 from bench.detection_shim import shim_outcomes
 from bench.intervals import clopper_pearson
 from canaryd.canaries import Canary, Decoding
@@ -125,10 +127,7 @@ def main() -> None:
     for row, deployed in seen.items():
         alarms, tests = sum(x.alarms for x in deployed), sum(x.tests for x in deployed)
         outs, cells = sum(x.outs for x in deployed), sum(x.cells for x in deployed)
-        rules: dict[str, int] = {}
-        for x in deployed:
-            for rule, n in x.rules.items():
-                rules[rule] = rules.get(rule, 0) + n
+        rules = sum((x.rules for x in deployed), Counter())
         rates = sorted(x.rate for x in deployed)
         above = sum(clopper_pearson(x.outs, x.cells)[0] > bound for x in deployed)
         print(
@@ -145,7 +144,7 @@ class Deployed:
 
     alarms: int
     tests: int
-    rules: dict[str, int]  # alarms by the rule that raised them (a cycle can meet two)
+    rules: Counter[str]  # alarms by the rule that raised them (a cycle can meet two)
     outs: int  # canary-cycles out
     cells: int  # canary-cycles
 
@@ -155,16 +154,12 @@ class Deployed:
 
     @classmethod
     def of(cls, tests: list, per_test: int) -> Deployed:
-        rules: dict[str, int] = {}
-        for o in tests:
-            for rule in o.raised if o.reject else ():
-                rules[rule] = rules.get(rule, 0) + 1
         outs = sum(o.score[2] for o in tests)  # the detector's score: (alarm, peak e-CUSUM, outs so far)
-        return cls(sum(o.reject for o in tests), len(tests), rules, outs, len(tests) * per_test)
+        return cls(sum(o.reject for o in tests), len(tests), rule_counts(tests), outs, len(tests) * per_test)
 
 
-def _rules(rules: dict[str, int]) -> str:
-    return ", ".join(f"{rule} {n}" for rule, n in sorted(rules.items())) or "—"
+def _rules(rules: Counter[str]) -> str:
+    return describe_rules(rules) or "—"
 
 
 def _interval(hits: int, n: int) -> str:

@@ -123,9 +123,8 @@ def location(model: NoiseModel) -> Location:
         t = _t(model, _centre(refs[:i] + refs[i + 1 :]), modal, r)
         if t is not None:
             loo.append(abs(t))
-    return Location(
-        _centre(refs), modal, max([W_FLOOR, *loo])
-    )  # no coordinate (a text-only answer): the floor
+    # no probe with a coordinate to rank (a text-only answer): the floor
+    return Location(_centre(refs), modal, max([W_FLOOR, *loo]))
 
 
 def refit(
