@@ -124,6 +124,7 @@ class Metrics:
         self.build_info.labels(__version__, sys.version.split()[0]).set(1)
         self.registry.register(_PairCollector(self))
         self._backends: set[str] = set()
+        self._expected: set[tuple[str, str]] | None = None  # the configured pairs, once `set_intervals` ran
         self._stack_labels: dict[str, tuple[str, ...]] = {}
         self._stack_hash: dict[str, str] = {}
         self._fingerprints: dict[str, deque[tuple[float, str]]] = {}
@@ -163,6 +164,7 @@ class Metrics:
         with self._lock:
             for key in set(self._pairs) - keep:
                 del self._pairs[key]
+            self._expected = keep
             for b in self._backends - set(longest):
                 for m in _PER_BACKEND:
                     getattr(self, m.attr).remove_by_labels({"backend": b})
@@ -227,7 +229,8 @@ class Metrics:
     def set_config_errors(self, backend: str, refused: int) -> None:
         """How many of the backend's canaries it refused as configured (and are not re-sent)."""
         with self._lock:
-            self.config_errors.labels(backend).set(refused)
+            if self._configured(backend):
+                self.config_errors.labels(backend).set(refused)
 
     def record_failed(
         self, backend: str, canary_ids: Iterable[str], reason: ErrorKind = ErrorKind.INTERNAL
@@ -237,6 +240,8 @@ class Metrics:
         last-probe times stay: nothing was recorded, and the staleness alert should see that too."""
         with self._lock:
             for c in canary_ids:
+                if not self._configured(backend, c):
+                    continue
                 p = self._pair(backend, c)
                 p.verdict, p.success = Verdict.ERROR.value, 0.0
                 self.failures.labels(backend, reason.value).inc()
@@ -247,8 +252,17 @@ class Metrics:
         with self._lock:
             self._record(run, now)
 
+    def _configured(self, backend: str, canary: str | None = None) -> bool:
+        """Whether the config still has the backend (and the canary): a pass the old config started
+        records after a reload dropped them, and must not bring their series back for good."""
+        if self._expected is None:  # no config given (a bare registry): everything recorded is shown
+            return True
+        return backend in self._backends if canary is None else (backend, canary) in self._expected
+
     def _record(self, run: BackendRun, now: float) -> None:
         b = run.backend
+        if not self._configured(b):
+            return
         stopped = ErrorKind.STOPPED  # not sent because canaryd was stopping: says nothing of the backend
         if run.unavailable is None or run.unavailable.kind is not stopped:
             self.reachable.labels(b).set(0 if run.unavailable else 1)
@@ -264,7 +278,7 @@ class Metrics:
         self.new_configurations.labels(b)
         for res in run.results:
             obs, cmp = res.observation, res.comparison
-            if obs.error_kind is stopped:
+            if obs.error_kind is stopped or not self._configured(b, obs.canary_id):
                 continue
             p = self._pair(b, obs.canary_id)
             p.verdict, p.last_probe, p.success = cmp.verdict.value, now, 1.0 if obs.ok else 0.0

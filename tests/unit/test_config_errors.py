@@ -18,7 +18,7 @@ from canaryd.errors import EXIT_UNAVAILABLE, EXIT_USAGE
 from canaryd.observation import ErrorKind
 from canaryd.probe import budget
 from tests.harness.scripted_lab import ScriptedLab, change, free_port, scripted
-from tests.unit.test_scripted_daemon import IDS, passes, value, wait, write
+from tests.unit.test_scripted_daemon import IDS, passes, shows, value, wait, write
 
 FIX = 'set request.token_param = "max_completion_tokens" (or preset = "openai-reasoning")'
 
@@ -83,8 +83,8 @@ def test_a_refused_request_is_sent_once_then_held_back_until_the_config_is_reloa
         assert all(
             r.error.startswith("not sent until the config is reloaded: backend 'fake'") for r in rows[:-1]
         )
+        shows(d, "canaryd_backend_probe_failures_total", 3, True, backend="fake", reason="config")
         assert value(d, "canaryd_backend_config_errors", backend="fake") == 1
-        assert value(d, "canaryd_backend_probe_failures_total", backend="fake", reason="config") >= 3
         assert value(d, "canaryd_canary_verdict", backend="fake", canary="add", verdict="error") == 1
         assert value(d, "canaryd_canary_probe_success", backend="fake", canary="capital") == 1
 
@@ -93,7 +93,7 @@ def test_a_refused_request_is_sent_once_then_held_back_until_the_config_is_reloa
         before = sent.count("capital")
         wait("two passes after the reload", lambda: sent.count("capital") >= before + 2)
         assert sent.count("add") == 2
-        assert value(d, "canaryd_backend_config_errors", backend="fake") == 1
+        shows(d, "canaryd_backend_config_errors", 1, backend="fake")
 
         write(tmp_path, scripted(), ["plain.toml"], d.config.daemon.host_port[1])
         assert d.reload() is True

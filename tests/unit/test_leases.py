@@ -24,7 +24,7 @@ from canaryd.store import Store, lease_seconds
 from canaryd.store.leases import GRACE_MAX_S, GRACE_MIN_S, Lease, Plan
 from tests.harness.scripted_lab import ScriptedLab, scripted
 from tests.unit.test_metrics import PER_BACKEND, families_of, populated, run
-from tests.unit.test_scripted_daemon import IDS, daemon, passes, port, value, wait  # noqa: F401 (fixture)
+from tests.unit.test_scripted_daemon import IDS, daemon, passes, port, shows, value, wait  # noqa: F401 (fixture)
 
 
 @pytest.mark.parametrize("interval", [1.0, 2.0, 10.0, 60.0, 300.0, 3600.0, 86400.0])
@@ -205,7 +205,7 @@ def test_a_lease_taken_by_another_daemon_leaves_only_the_series_the_metric_table
 
 def test_a_daemon_that_does_not_hold_a_backend_drops_its_gauges_but_not_its_counters(daemon):  # noqa: F811
     d = daemon(scripted())
-    wait("a pass", lambda: all(passes(d, "fake", c) >= 1 for c in IDS))
+    shows(d, "canaryd_backend_probes_total", len(IDS), True, backend="fake")  # a pass, recorded
     assert value(d, "canaryd_backend_lease_held", backend="fake") == 1  # SQLite: held
     d.metrics.set_lease("fake", False)
     assert value(d, "canaryd_backend_lease_held", backend="fake") == 0

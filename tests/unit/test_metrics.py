@@ -118,6 +118,23 @@ def test_series_of_canaries_dropped_by_a_reload_disappear():
     assert 'canaryd_canary_verdict{backend="b",canary="c",verdict="identical"} 1.0' in text
 
 
+def test_a_pass_of_the_old_config_recorded_after_the_reload_does_not_bring_dropped_series_back():
+    """The reload drops a canary and a backend while a pass of the old config is still probing them: what
+    that pass records afterwards shows only for what the new config keeps (else a stale series of a
+    canary nobody probes would stay, and page as stale)."""
+    m = Metrics()
+    m.set_intervals([("b", "c", 300.0), ("b", "gone", 300.0), ("old", "c", 60.0)])
+    m.set_intervals([("b", "c", 300.0)])
+    m.record(run(canaries=("c", "gone")))
+    m.record(run(backend="old"))
+    m.record_failed("b", ["gone"])
+    m.set_config_errors("old", 1)
+    m.publish()
+    text = generate_latest(m.registry).decode()
+    assert 'canary="gone"' not in text and 'backend="old"' not in text
+    assert 'canaryd_canary_verdict{backend="b",canary="c",verdict="identical"} 1.0' in text
+
+
 # -- the lean layout and the cached exposition -----------------------------------------------------------
 
 
@@ -344,10 +361,11 @@ def test_server_returns_the_cached_exposition(served):
     status, headers, body = _get(port, "/metrics", {"Accept-Encoding": "gzip"})
     assert status == 200 and headers["Content-Encoding"] == "gzip"
     assert _samples(gzip.decompress(body).decode()) == _samples(m.exposition()[0].decode())
-    m.record(run(backend="b", canaries=("new",)), now=99.0)
-    assert 'canary="new"' not in _get(port, "/metrics")[2].decode()  # until the pass is published
+    line = 'canaryd_canary_verdict{backend="x",canary="c0",verdict="identical"} 1.0'
+    m.record(run(backend="x", canaries=("c0",)), now=99.0)  # it failed; now it answers
+    assert line not in _get(port, "/metrics")[2].decode()  # until the pass is published
     m.publish()
-    assert 'canary="new"' in _get(port, "/metrics")[2].decode()
+    assert line in _get(port, "/metrics")[2].decode()
 
 
 def test_server_serves_the_runbook_every_alert_links_to(served):
