@@ -74,10 +74,11 @@ teacher-forced; the provider's logprobs in the reference-gap check, whose refere
 LT's windows) and the tests are rerun under it. The shim never changes a token, so the text methods' and
 Token-DiFR's figures are the real ones. Every shim row is labelled. A TEXT-ONLY family reruns the methods
 that read text (canaryd's text basis, exact match, two-sample, MET kernel, Token-DiFR) on the same answers
-with their logprobs withheld (`detection_text`).
+with their logprobs withheld (`detection_text`). ``--cal-days`` spreads a calibration under the shim over
+that many simulated days (the same probes; default SHIM_CAL_DAYS).
 
     flock /tmp/canaryd-vllm.lock .venv/bin/python bench/detection.py [--quick] [--alpha 0.01] [--json FILE]
-        [--probes FILE]
+        [--probes FILE] [--cal-days 4]
 """
 
 from __future__ import annotations
@@ -103,6 +104,7 @@ from bench.detection_lab import (  # noqa: E402
     CACHE,
     FINETUNE_BATCH,
     HONEST,
+    SHIM_CAL_DAYS,
     SHIM_JITTER,
     SHIM_MODES,
     Served,
@@ -264,9 +266,14 @@ def main() -> None:
     ap.add_argument(
         "--seed", type=int, default=0, help="seed of the bench's own draws (samples, trials, shim)"
     )
+    ap.add_argument(
+        "--cal-days", type=int, default=SHIM_CAL_DAYS, help="days a calibration under the shim spans"
+    )
     args = ap.parse_args()
     if not 0 < args.alpha < 1:
         ap.error("--alpha must lie strictly between 0 and 1")
+    if args.cal_days < 1:
+        ap.error("--cal-days must be at least 1")
     settings = QUICK if args.quick else FULL
     if args.quick:
         print(f"quick mode, reduced: {reductions(settings, args.alpha)}", flush=True)
@@ -355,7 +362,9 @@ def main() -> None:
     t = time.perf_counter()
     with ProcessPoolExecutor(max_workers=min(len(SHIM_LEVELS), os.cpu_count() or 1)) as pool:
         jobs = {
-            sigma: pool.submit(shim_outcomes, sigma, ref, servers, settings, args.alpha, args.seed)
+            sigma: pool.submit(
+                shim_outcomes, sigma, ref, servers, settings, args.alpha, args.seed, args.cal_days
+            )
             for sigma in SHIM_LEVELS
         }
         shim = {sigma: split(job.result()) for sigma, job in jobs.items()}
@@ -431,7 +440,8 @@ def main() -> None:
         print()
         print(
             f"SYNTHETIC noise shim, {shim_label(sigma)} ({SHIM_MODES} modes, {shim_jitter(sigma)}, "
-            f"mix redrawn per simulated day; {settings.deployments} deployments; "
+            f"mix redrawn per simulated day, calibration over {args.cal_days} days; "
+            f"{settings.deployments} deployments; "
             f"N0 over {settings.null_trials} trials); text methods unchanged by it (the real rows hold)"
         )
         print(power_table(shim[sigma], shim_figs[sigma], order, settings.r_probes))

@@ -40,7 +40,7 @@ def shimmed_deployment(
 ) -> Known:
     """A deployment calibrated on these probes as the shim moves them, spread over the simulated days."""
     return deployment(
-        {cid: [shim(o, mixes[i % SHIM_CAL_DAYS]) for i, o in enumerate(obs)] for cid, obs in probes.items()}
+        {cid: [shim(o, mixes[i % len(mixes)]) for i, o in enumerate(obs)] for cid, obs in probes.items()}
     )
 
 
@@ -99,13 +99,14 @@ def shim_outcomes(
     settings,
     alpha: float,
     seed: int,
+    cal_days: int = SHIM_CAL_DAYS,
 ) -> dict[tuple[str, str], dict[float, list[Outcome]]]:
     """canaryd (shipped, teacher-forced, reference gap) and LT when every logprob the tested server gives
     carries SYNTHETIC mode noise of scale sigma, or the realistic model's preset sigma (`Shim`; the text
     methods and Token-DiFR are untouched: the shim never changes a token, and the reference is unshimmed).
 
     Each deployment draws fresh mode offsets and a fresh calibration: canaryd's K probes per canary over
-    SHIM_CAL_DAYS days, and LT's reference window, K·C probes over the same days, from the same place
+    ``cal_days`` days, and LT's reference window, K·C probes over the same days, from the same place
     (the fleet's balancer where canaryd is deployed there); each trial is a new day for the tested server,
     the same day for every method. The reference check scores the shimmed answers on an unshimmed
     reference (a local deterministic engine, as vLLM CPU is), within the provider's noise floor from the
@@ -121,7 +122,7 @@ def shim_outcomes(
         rng = random.Random(f"{seed}-{sigma}-{d}")
         npr = np.random.default_rng(rng.getrandbits(63))
         shim = Shim(sigma, rng)
-        mixes = [shim.day() for _ in range(SHIM_CAL_DAYS)]
+        mixes = [shim.day() for _ in range(cal_days)]
         # by id of the calibration probes (the baseline server's, the fleet's): the deployment, its floors
         deployed: dict[int, tuple[Known, Floors]] = {}
         # by id of LT's reference pool: its reference window, and its honest history per window size
@@ -145,7 +146,7 @@ def shim_outcomes(
                 pool = lt_reference(ref, s)
                 if id(pool) not in lt_deployed:
                     cal = draw(pool, ref.k * len(ref.canaries), rng)
-                    w1 = [shim.first_top(o, mixes[i % SHIM_CAL_DAYS]) for i, o in enumerate(cal)]
+                    w1 = [shim.first_top(o, mixes[i % cal_days]) for i, o in enumerate(cal)]
                     lt_deployed[id(pool)] = (
                         w1,
                         {n: cache(partial(_lt_history, shim, w1, pool, n, rng)) for n in windows.values()},

@@ -1,16 +1,20 @@
 """Where the detection race's honest alarms come from: its noise shim on honest servers alone, per deployment.
 
-`detection.py` found its tracking suite above α under the SYNTHETIC gpu-bf16 shim (21 of 1,000 honest tests
-at r = 16). This runs the same shim (`detection_shim.shim_outcomes`: each deployment draws fresh engine
-paths and a calibration over SHIM_CAL_DAYS simulated days; each test is a new day) on an exact server's
-answers, with no vLLM: C one-token canaries, each answering the same token with a fixed top-20 (the tracking
-suite's shape), K calibration probes each, at the race's α and its rule (`alpha_rule`). canaryd's three
-detector rows judge the same kind of canary on calibrations drawn apart, so they are three more
-deployments each. Per row: alarms of the r-cycle tests, the rule that raised each (`Decision.raised`),
-how many deployments had one, and the share of canary-cycles out against the conformal bound 1/(K+1), over
-all deployments and deployment by deployment (the bound holds on average over calibrations, not given one).
+`detection.py` found its tracking suite above α under the SYNTHETIC gpu-bf16 shim (21 of 1,000 honest tests at
+r = 16). This runs the same shim (`detection_shim.shim_outcomes`: each deployment draws fresh engine paths and
+a calibration over SHIM_CAL_DAYS simulated days, or ``--cal-days``; each test is a new day) on an exact
+server's answers, with no vLLM: C one-token canaries, each answering the same token with a fixed top-20 (the
+tracking suite's shape), K calibration probes each, at the race's α and its rule (`alpha_rule`). canaryd's
+three detector rows judge the same kind of canary on calibrations drawn apart, so they are three more
+deployments each. Per row: alarms of the r-cycle tests, the rule that raised each (`Decision.raised`), how
+many deployments had one, and the share of canary-cycles out against the conformal bound 1/(K+1), over all
+deployments and deployment by deployment (the bound holds on average over calibrations, not given one).
 
-    .venv/bin/python bench/shim_null.py [--preset gpu-bf16] [--tests 1000] [--deployments 5] [--r 16] [--each]
+The same K probes spread over more days (``--cal-days``) see more of the day-to-day load mixes at no cost in
+requests, only in the calendar time a calibration spans.
+
+    .venv/bin/python bench/shim_null.py [--preset gpu-bf16] [--tests 1000] [--deployments 5] [--r 16]
+        [--cal-days 4] [--each]
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.detection_lab import Served, check_key
+from bench.detection_lab import SHIM_CAL_DAYS, Served, check_key
 from bench.detection_methods import OURS, Reference
 from bench.detection_peers import split
 from bench.detection_race import describe_rules, rule_counts
@@ -94,20 +98,25 @@ def main() -> None:
     ap.add_argument("--canaries", type=int, default=6)
     ap.add_argument("--alpha", type=float, default=0.01)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cal-days", type=int, default=SHIM_CAL_DAYS, help="days the K calibration probes span")
     ap.add_argument("--each", action="store_true", help="also print every deployment's row")
     args = ap.parse_args()
+    if args.cal_days < 1:
+        ap.error("--cal-days must be at least 1")
     level = args.preset if args.preset[0].isalpha() else float(args.preset)
     k = CompareConfig().calibration_k
     ref, servers = honest(args.canaries, k, 16, args.seed)
     settings = Settings((args.r,), args.tests // args.deployments)
     print(
         f"SYNTHETIC shim {level}: {args.canaries} one-token top-{TOP} canaries, K = {k}, r = {args.r}, "
-        f"α = {args.alpha}, {settings.null_trials} honest tests per deployment; "
+        f"α = {args.alpha}, calibration over {args.cal_days} days, {settings.null_trials} honest tests per "
+        "deployment; "
         f"bound 1/(K+1) = {1 / (k + 1):.3f}"
     )
     seen: dict[str, list[Deployed]] = {row: [] for row in OURS}
     for d in range(args.deployments):
-        out = split(shim_outcomes(level, ref, servers, settings, args.alpha, seed=args.seed * 1000 + d))
+        seed = args.seed * 1000 + d
+        out = split(shim_outcomes(level, ref, servers, settings, args.alpha, seed, cal_days=args.cal_days))
         for row in OURS:
             seen[row].append(Deployed.of(out[(row, "N0")][args.r], args.r * args.canaries))
     if args.each:

@@ -301,3 +301,23 @@ def test_the_null_bench_counts_each_deployments_alarms_rules_and_outs():
         assert sum(x.rules.values()) >= x.alarms  # each alarm names at least one rule
     still = split(shim_outcomes(0.0, ref, servers, Settings((4,), 10), 0.01, seed=0))
     assert all(Deployed.of(still[(row, "N0")][4], 24) == Deployed(0, 10, {}, 0, 240) for row in OURS)
+
+
+def test_a_calibration_spread_over_more_days_sees_more_routes_and_leaves_fewer_honest_outs():
+    """`shim_outcomes(cal_days=…)`: the same K probes over one simulated day see one load mix, and a later
+    day's routes fall outside them; over K days they see the day-to-day mixes, at no cost in requests."""
+    from bench.shim_null import Deployed, Settings, honest
+
+    ref, servers = honest(6, 20, 16, seed=0)
+
+    def outs(days: int) -> int:
+        total = 0
+        for seed in range(4):
+            out = split(
+                shim_outcomes("gpu-bf16", ref, servers, Settings((4,), 10), 0.01, seed, cal_days=days)
+            )
+            total += sum(Deployed.of(out[(row, "N0")][4], 24).outs for row in OURS)
+        return total
+
+    one, twenty = outs(1), outs(20)
+    assert one > 4 * twenty > 0, (one, twenty)
