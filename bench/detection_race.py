@@ -154,7 +154,7 @@ def race(
 
 
 def _fa(fa: dict, raised: dict) -> str:
-    """Each honest variant's false alarms, with the rules that raised a detector's (`alarm_rules`)."""
+    """Each honest variant's false alarms, with the rules that raised a detector's (`rule_counts`)."""
 
     def rules(v: str) -> str:
         return f", by {describe_rules(raised[v])}" if raised.get(v) else ""

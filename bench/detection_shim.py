@@ -146,7 +146,7 @@ def shim_outcomes(
                 pool = lt_reference(ref, s)
                 if id(pool) not in lt_deployed:
                     cal = draw(pool, ref.k * len(ref.canaries), rng)
-                    w1 = [shim.first_top(o, mixes[i % cal_days]) for i, o in enumerate(cal)]
+                    w1 = [shim.first_top(o, mixes[i % len(mixes)]) for i, o in enumerate(cal)]
                     lt_deployed[id(pool)] = (
                         w1,
                         {n: cache(partial(_lt_history, shim, w1, pool, n, rng)) for n in windows.values()},

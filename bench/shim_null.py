@@ -110,8 +110,7 @@ def main() -> None:
     print(
         f"SYNTHETIC shim {level}: {args.canaries} one-token top-{TOP} canaries, K = {k}, r = {args.r}, "
         f"α = {args.alpha}, calibration over {args.cal_days} days, {settings.null_trials} honest tests per "
-        "deployment; "
-        f"bound 1/(K+1) = {1 / (k + 1):.3f}"
+        f"deployment; bound 1/(K+1) = {1 / (k + 1):.3f}"
     )
     seen: dict[str, list[Deployed]] = {row: [] for row in OURS}
     for d in range(args.deployments):
