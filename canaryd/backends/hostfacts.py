@@ -61,8 +61,9 @@ _ENV_NAMES = {
     "PYTORCH_HIP_ALLOC_CONF",
     "TORCH_CUDNN_V8_API_DISABLED",
 }
-# Never numerics, and toggled for debugging: recording them would report a stack change.
-_ENV_IGNORED = re.compile(r"^VLLM_(LOGGING_\w+|CONFIGURE_LOGGING)$")
+# Never numerics, and toggled for debugging (logging) or named anew by vLLM on every start (an engine in
+# canaryd's own process shows them): recording them would report a stack change.
+_ENV_IGNORED = re.compile(r"^VLLM_(LOGGING_\w+|CONFIGURE_LOGGING|DIST_IDENT|OBJECT_STORAGE_SHM_BUFFER_NAME)$")
 # The secret-name rule (`is_secret_name`): words that mean a credential wherever they stand,
 _SECRET_WORDS = {
     "SECRET",

@@ -29,11 +29,19 @@ class VLLMServerError(RuntimeError):
 
 
 PORT_ATTEMPTS = 3  # starts on a new free port when another process took the one chosen
-# One compute thread, left to the OS scheduler, unless the environment says otherwise. vLLM's CPU default
-# binds every server's thread to the same core, so two busy servers on one machine (a fleet behind a
-# balancer, tests in parallel) share that core while the others idle: a two-server fleet answered about 4×
-# slower. The thread count is vLLM's own serving default; its CPU results do not depend on either setting.
-THREADS = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+# The server's environment, unless the environment or the caller's `env` says otherwise.
+# - One compute thread, left to the OS scheduler. vLLM's CPU default binds every server's thread to the same
+#   core, so two busy servers on one machine (a fleet behind a balancer, tests in parallel) share that core
+#   while the others idle: a two-server fleet answered about 4× slower. The thread count is vLLM's own
+#   serving default; its CPU results do not depend on either setting.
+# - The model runs in the engine-core process, not in a third one. On a CPU vLLM starts its processes by
+#   `spawn`, each importing torch and vLLM anew (about 20 s here), so two processes start about 20 s sooner
+#   than three, with the same answers.
+DEFAULTS = {
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "OMP_NUM_THREADS": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+}
 
 
 def free_port() -> int:
@@ -139,7 +147,7 @@ class VLLMServer:
         # 1 GiB KV cache is plenty for a 512-token tiny model; the default
         # (a share of RAM) would crowd a small CI machine.
         env = {
-            **THREADS,
+            **DEFAULTS,
             **os.environ,
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "HF_HUB_OFFLINE": "1",

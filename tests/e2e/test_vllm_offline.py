@@ -2,7 +2,9 @@
 
 The end-to-end test goes through the real user path (``python -m canaryd check --json`` in a subprocess,
 which also keeps vLLM's spawned engine process out of pytest) and walks one history: baseline, identical,
-then one engine arg changed at a time. Each step starts an engine (~30 s on 2 cores), so there are four.
+then one engine arg changed at a time. Each step starts an engine, so there are four. The backend's ``env``
+runs the engine in canaryd's process (``VLLM_ENABLE_V1_MULTIPROCESSING = "0"``), as a harness may: on a CPU
+vLLM spawns its processes, each importing torch and vLLM anew, so a step costs one import, not three.
 The backend's pieces that need no engine are in tests/unit/test_vllm_offline.py.
 """
 
@@ -92,6 +94,7 @@ def test_offline_engine_baseline_identical_then_one_engine_arg_changed(tmp_path,
         "engine.cache_config.cache_dtype": "auto",
         "engine.device_config.device_type": "cpu",
         "env.VLLM_CPU_KVCACHE_SPACE": "1",
+        "env.VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "model.chat_template_sha256": hashlib.sha256(template.encode()).hexdigest(),
         **{f"model.files.{name}": digest for name, digest in files.items()},
     }

@@ -140,6 +140,19 @@ def test_environ_keeps_numerics_and_drops_secrets():
     assert env_facts(env) == {"env.VLLM_BATCH_INVARIANT": "1", "env.VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
+def test_the_names_vllm_draws_on_every_start_are_not_stack_facts():
+    """An engine in canaryd's process (vllm-offline with VLLM_ENABLE_V1_MULTIPROCESSING=0) sets these in
+    canaryd's own environment, new on every start: recorded, every check was a stack change."""
+    from canaryd.backends.hostfacts import env_facts
+
+    started = {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_DIST_IDENT": "vllm_dist_fc29114e379f4d5aa516e429a5b2fd88",
+        "VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME": "vllm_mm_0589CKEfRQKn0xz3BMMCZg",
+    }
+    assert env_facts(started) == {"env.VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
 TCP = """\
   sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
    0: 0100007F:1F40 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 111 1

@@ -35,7 +35,7 @@ name = "offline"
 kind = "vllm-offline"
 model = "{model}"
 engine = {{ {engine} }}
-env = {{ VLLM_CPU_KVCACHE_SPACE = "1" }}
+env = {{ VLLM_CPU_KVCACHE_SPACE = "1", VLLM_ENABLE_V1_MULTIPROCESSING = "0" }}
 """
 ENGINE = {"dtype": '"float32"', "max_model_len": "512", "enforce_eager": "true", "seed": "0"}
 

@@ -1,8 +1,8 @@
 """`VLLMServer.start` when another process takes the free port it chose before the server binds it (tests
 on parallel workers start servers at once): it starts again on a new one; a port the caller named is never
-changed. Its compute thread is one, unbound, unless the environment or the caller says otherwise. The
-server here is a stand-in that binds and answers ``/health`` as vLLM does, and fails to bind with the same
-error."""
+changed. Its compute thread is one, unbound, and the model runs in vLLM's engine process, unless the
+environment or the caller says otherwise. The server here is a stand-in that binds and answers ``/health``
+as vLLM does, and fails to bind with the same error."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from canaryd.lab.vllm_process import VLLMServer, VLLMServerError
 
 SERVER = """
 import http.server, os, sys
-print(os.environ.get("VLLM_CPU_OMP_THREADS_BIND"), os.environ.get("OMP_NUM_THREADS"), flush=True)
+names = ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS", "VLLM_ENABLE_V1_MULTIPROCESSING")
+print(*(os.environ.get(name) for name in names), flush=True)
 class Health(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         self.send_response(200)
@@ -57,15 +58,20 @@ def test_a_port_the_caller_named_is_never_changed(tmp_path, taken):
 @pytest.mark.parametrize(
     ("outside", "given", "seen"),
     [
-        ({}, {}, "nobind 1"),  # vLLM's default would bind every server's thread to one core
-        ({"OMP_NUM_THREADS": "2"}, {}, "nobind 2"),  # the environment wins
-        ({}, {"VLLM_CPU_OMP_THREADS_BIND": "1"}, "1 1"),  # and the caller's env
+        # vLLM's default would bind every server's thread to one core, and start a third process
+        ({}, {}, "nobind 1 0"),
+        ({"OMP_NUM_THREADS": "2"}, {}, "nobind 2 0"),  # the environment wins
+        (
+            {},
+            {"VLLM_CPU_OMP_THREADS_BIND": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
+            "1 1 1",
+        ),  # and the caller's env
     ],
 )
-def test_a_servers_compute_thread_is_one_and_unbound_unless_told_otherwise(
+def test_a_server_has_one_unbound_compute_thread_and_two_processes_unless_told_otherwise(
     tmp_path, monkeypatch, outside, given, seen
 ):
-    for name in ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS"):
+    for name in ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS", "VLLM_ENABLE_V1_MULTIPROCESSING"):
         monkeypatch.delenv(name, raising=False)
     for name, value in outside.items():
         monkeypatch.setenv(name, value)
