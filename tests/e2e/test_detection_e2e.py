@@ -1,7 +1,7 @@
 """Calibrated detection against a real vLLM (CPU) server: no false alarm on honest restarts, and each
 silent change caught in one probe cycle, including one that leaves every greedy answer unchanged.
 
-The steps run in order on one history: baseline and calibration on fp32, two unchanged restarts, then
+The steps run in order on one history: baseline and calibration on fp32, an unchanged restart, then
 the dtype, an int8 round trip of the weights, and a weight perturbation too small to move a token.
 """
 
@@ -93,8 +93,7 @@ def test_calibration_on_fp32_measures_a_zero_noise_floor(lab, tiny_model):
             assert ev["method"] == "exact" and ev["p_value"] == 1.0 and not ev["out"]
 
 
-@pytest.mark.parametrize("restart", [1, 2])
-def test_unchanged_restarts_raise_no_alarm(lab, tiny_model, restart):
+def test_an_unchanged_restart_raises_no_alarm(lab, tiny_model):
     with lab.serve(tiny_model):
         code, results = lab.check()
     assert code == 0, [r["reasons"] for r in results]
