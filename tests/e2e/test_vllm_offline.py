@@ -1,7 +1,7 @@
 """Kind ``vllm-offline``: canaries through an in-process ``vllm.LLM`` with the configured engine args.
 
 The end-to-end test goes through the real user path (``python -m canaryd check --json`` in a subprocess,
-which also keeps vLLM's spawned engine process out of pytest) and walks one history: baseline, identical,
+which also keeps vLLM's engine out of pytest) and walks one history: baseline, identical,
 then one engine arg changed at a time. Each step starts an engine, so there are four. The backend's ``env``
 runs the engine in canaryd's process (``VLLM_ENABLE_V1_MULTIPROCESSING = "0"``), as a harness may: on a CPU
 vLLM spawns its processes, each importing torch and vLLM anew, so a step costs one import, not three.
