@@ -12,12 +12,11 @@ import sys
 import httpx2
 import pytest
 
-from canaryd.lab.vllm_process import VLLMServer, VLLMServerError
+from canaryd.lab.vllm_process import DEFAULTS, VLLMServer, VLLMServerError
 
-SERVER = """
+SERVER = f"""
 import http.server, os, sys
-names = ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS", "VLLM_ENABLE_V1_MULTIPROCESSING")
-print(*(os.environ.get(name) for name in names), flush=True)
+print(*(os.environ.get(name) for name in {tuple(DEFAULTS)!r}), flush=True)
 class Health(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         self.send_response(200)
@@ -71,7 +70,7 @@ def test_a_port_the_caller_named_is_never_changed(tmp_path, taken):
 def test_a_server_has_one_unbound_compute_thread_and_two_processes_unless_told_otherwise(
     tmp_path, monkeypatch, outside, given, seen
 ):
-    for name in ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS", "VLLM_ENABLE_V1_MULTIPROCESSING"):
+    for name in DEFAULTS:
         monkeypatch.delenv(name, raising=False)
     for name, value in outside.items():
         monkeypatch.setenv(name, value)
