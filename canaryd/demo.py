@@ -76,7 +76,9 @@ def run_demo(workdir: Path, console: Console, progress: bool = True) -> int:
 
     def serve(dtype: str) -> VLLMServer:
         console.print(f"starting vLLM (CPU) with --dtype {dtype} on port {port} (about 40 s) ...")
-        return VLLMServer(model, port=port, dtype=dtype, log_path=workdir / f"vllm-{dtype}.log")
+        # torch.compile's warm-up (about 30 s a start here) buys a model this small nothing
+        log = workdir / f"vllm-{dtype}.log"
+        return VLLMServer(model, port=port, dtype=dtype, extra_args=["--enforce-eager"], log_path=log)
 
     def probed() -> list[Result]:
         with shown("probing", "canaries", enabled=progress):
