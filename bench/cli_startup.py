@@ -5,9 +5,9 @@ CPU time (user + sys, from ``getrusage(RUSAGE_CHILDREN)`` around each run) of ``
 ``history --help``, next to ``python -c pass`` measured in the same run: the median of ``--runs`` runs each.
 Then ``validate`` of one suite of 200, 1,000 and 10,000 canaries on 2 backends, each as a multiple of ``python
 -c pass`` (the target at 200: at most 10×) and in milliseconds per 1,000 canaries beyond the first 200 (linear
-and cheap: the same figure at each size). With ``--against DIR`` the first commands also run with another
-checkout's code (e.g. the tree before the change) in a column beside. Then ``census`` on the scripted kind
-under a pseudo-terminal: seconds until the first progress line, and until the table.
+and cheap: the same figure at each size). With ``--against DIR`` every command also runs with another
+checkout's code (e.g. the tree before the change), its runs interleaved with this tree's. Then ``census`` on
+the scripted kind under a pseudo-terminal: seconds until the first progress line, and until the table.
 
     PYTHONPATH=. .venv/bin/python bench/cli_startup.py [--runs 7] [--against /path/to/other/checkout]
 """
@@ -40,11 +40,18 @@ def cpu_s(argv: list[str], env: dict[str, str], cwd: Path) -> float | str:
     return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
-def median_cpu(argv: list[str], env: dict[str, str], cwd: Path, runs: int) -> str:
-    """The median as a table cell (a failed run is shown instead: the other tree may lack a feature)."""
-    times = [cpu_s(argv, env, cwd) for _ in range(runs)]
-    failed = [t for t in times if isinstance(t, str)]
-    return failed[0] if failed else f"{statistics.median(times):.3f}"  # type: ignore[type-var]
+def medians(argv: list[str], envs: list[dict[str, str]], cwd: Path, runs: int) -> list[str]:
+    """The median per environment (tree) as table cells, runs interleaved so that a load that comes and goes
+    weighs on every column alike (a failed run is shown instead: the other tree may lack a feature)."""
+    times: list[list[float | str]] = [[] for _ in envs]
+    for _ in range(runs):
+        for ts, env in zip(times, envs, strict=True):
+            ts.append(cpu_s(argv, env, cwd))
+    cells = []
+    for ts in times:
+        failed = [t for t in ts if isinstance(t, str)]
+        cells.append(failed[0] if failed else f"{statistics.median(ts):.3f}")  # type: ignore[type-var]
+    return cells
 
 
 def suite(n: int) -> str:
@@ -64,8 +71,8 @@ TWO_BACKENDS = "".join(
 )
 
 
-def suite_sizes(work: Path, env: dict[str, str], runs: int, canaryd: list[str]) -> None:
-    """``validate`` at 200, 1,000 and 10,000 canaries beside ``python -c pass``, measured in turn."""
+def suite_sizes(work: Path, envs: dict[str, dict[str, str]], runs: int, canaryd: list[str]) -> None:
+    """``validate`` at 200, 1,000 and 10,000 canaries beside ``python -c pass``, the trees interleaved."""
     sizes = (200, 1000, 10_000)
     argv = {}
     for n in sizes:
@@ -73,21 +80,24 @@ def suite_sizes(work: Path, env: dict[str, str], runs: int, canaryd: list[str]) 
         cfg = work / f"validate{n}.toml"
         cfg.write_text(f'state_dir = "state"\nsuites = ["suite{n}.toml"]\n{TWO_BACKENDS}')
         argv[n] = [*canaryd, "-c", str(cfg), "validate"]
-    floor, cpu = [], {n: [] for n in sizes}
+    floor: list[float | str] = []
+    cpu: dict[tuple[str, int], list[float | str]] = {(t, n): [] for t in envs for n in sizes}
     for _ in range(runs):  # interleaved: a load that comes and goes weighs on every column alike
-        floor.append(cpu_s([sys.executable, "-c", "pass"], env, work))
-        for n in sizes:
-            cpu[n].append(cpu_s(argv[n], env, work))
+        floor.append(cpu_s([sys.executable, "-c", "pass"], next(iter(envs.values())), work))
+        for tree, env in envs.items():
+            for n in sizes:
+                cpu[tree, n].append(cpu_s(argv[n], env, work))
     failed = [t for t in (*floor, *(t for ts in cpu.values() for t in ts)) if isinstance(t, str)]
     if failed:
         raise SystemExit(f"validate failed: {failed[0]}")
-    base = statistics.median(floor)
-    med = {n: statistics.median(cpu[n]) for n in sizes}
+    base = statistics.median(floor)  # type: ignore[type-var]
     print(f"\nvalidate, one suite on 2 backends, CPU seconds (median of {runs}); python -c pass {base:.3f}")
-    print(f"{'canaries':>10}{'CPU s':>10}{'x pass':>10}{'ms / 1,000 beyond 200':>24}")
-    for n in sizes:
-        per = "" if n == sizes[0] else f"{(med[n] - med[sizes[0]]) / (n - sizes[0]) * 1e6:.1f}"
-        print(f"{n:>10,}{med[n]:>10.3f}{med[n] / base:>10.1f}{per:>24}")
+    print(f"{'tree':<22}{'canaries':>10}{'CPU s':>10}{'x pass':>10}{'ms / 1,000 beyond 200':>24}")
+    for tree in envs:
+        med = {n: statistics.median(cpu[tree, n]) for n in sizes}  # type: ignore[type-var]
+        for n in sizes:
+            per = "" if n == sizes[0] else f"{(med[n] - med[sizes[0]]) / (n - sizes[0]) * 1e6:.1f}"
+            print(f"{tree[-22:]:<22}{n:>10,}{med[n]:>10.3f}{med[n] / base:>10.1f}{per:>24}")
 
 
 def main() -> None:
@@ -110,16 +120,16 @@ def main() -> None:
             "canaryd validate": [*canaryd, "-c", str(work / "init" / "canaryd.toml"), "validate"],
             "canaryd history --help": [*canaryd, "history", "--help"],
         }
+        envs = {name: {**env, "PYTHONPATH": str(tree)} for name, tree in trees.items()}
         print(f"CPU seconds (user+sys), median of {args.runs} runs")
-        print(f"{'command':<26}" + "".join(f"{name:>22}" for name in trees))
+        print(f"{'command':<26}" + "".join(f"{name[-22:]:>22}" for name in trees))
         for label, argv in commands.items():
-            cells = []
-            for tree in trees.values():
-                tree_env = {**env, "PYTHONPATH": str(tree)}
-                cells.append(f"{median_cpu(argv, tree_env, work, args.runs):>22}")
-            print(f"{label:<26}" + "".join(cells))
+            print(
+                f"{label:<26}"
+                + "".join(f"{c:>22}" for c in medians(argv, list(envs.values()), work, args.runs))
+            )
 
-        suite_sizes(work, env, args.runs, canaryd)
+        suite_sizes(work, envs, args.runs, canaryd)
 
         (work / "plain.toml").write_text(PLAIN)
         cfg = work / "canaryd.toml"

@@ -9,6 +9,9 @@ import sys
 
 def main() -> None:
     from canaryd.daemon import signals
+    from canaryd.lazy import skip_pydantic_plugins
+
+    skip_pydantic_plugins()  # before the first model is built
 
     if signals.runs_daemon(sys.argv[1:]):
         signals.install()

@@ -38,10 +38,10 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import tomllib
 from pathlib import Path
 from typing import Annotated, Literal, Self
 
+import tomli
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -346,10 +346,10 @@ def load_suite(path: Path, max_bytes: int = SUITE_BYTES) -> Suite:
         text = read_regular(path, "canary file", limit=max_bytes, limit_key="[limits] suite_bytes")
         if (parsed := _PARSED.get((path, text))) is not None:
             return parsed
-        raw = tomllib.loads(text)
+        raw = tomli.loads(text)
     except OSError as e:
         raise InputError(f"{path}: cannot read canary file: {e.strerror or e}") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+    except (tomli.TOMLDecodeError, UnicodeDecodeError) as e:
         raise InputError(f"{path}: invalid TOML: {e}") from None
     try:
         head = _SuiteFile.model_validate(raw)

@@ -8,11 +8,11 @@ file (``api_key_file``, e.g. a systemd credential) that holds its key.
 from __future__ import annotations
 
 import os
-import tomllib
 from functools import cache
 from pathlib import Path
 from typing import Annotated, Self, Union
 
+import tomli
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from canaryd.backends import KINDS, BackendSettings, settings_of
@@ -251,12 +251,12 @@ def find_config(explicit: Path | None) -> Path:
 def load_config(path: Path) -> Config:
     """Parse and validate a config file; errors raise `InputError` naming the file and the field."""
     try:
-        raw = tomllib.loads(read_regular(path, "config file", limit=CONFIG_BYTES))
+        raw = tomli.loads(read_regular(path, "config file", limit=CONFIG_BYTES))
     except FileNotFoundError:
         raise InputError(f"{path}: config file not found (create one with `canaryd init`)") from None
     except OSError as e:
         raise InputError(f"{path}: cannot read config: {e.strerror or e}") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+    except (tomli.TOMLDecodeError, UnicodeDecodeError) as e:
         raise InputError(f"{path}: invalid TOML: {e}") from None
     base = path.resolve().parent
     raw.setdefault("state_dir", str(default_state_dir()))

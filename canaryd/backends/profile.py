@@ -16,11 +16,11 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import tomllib
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import tomli
 from pydantic import Field, field_validator
 
 from canaryd.errors import InputError
@@ -224,7 +224,7 @@ def insert_profile(path: Path, backend: str, block: str, p: dict[str, Any]) -> N
     other line stays byte for byte. The result is parsed again and must be the old document with exactly
     that table set, else nothing is written (`InputError`: paste the block by hand)."""
     text = path.read_text(encoding="utf-8")
-    doc = tomllib.loads(text)
+    doc = tomli.loads(text)
     names = [b.get("name") for b in doc.get("backends", [])]
     index = names.index(backend)
     lines = text.splitlines(keepends=True)
@@ -254,8 +254,8 @@ def insert_profile(path: Path, backend: str, block: str, p: dict[str, Any]) -> N
     expected = json.loads(json.dumps(doc, default=str))
     expected["backends"][index]["request"] = p
     try:
-        got = json.loads(json.dumps(tomllib.loads(new), default=str))
-    except tomllib.TOMLDecodeError:
+        got = json.loads(json.dumps(tomli.loads(new), default=str))
+    except tomli.TOMLDecodeError:
         got = None
     if got != expected:
         raise InputError(f"{path}: cannot place [backends.request] for {backend!r} safely; paste it by hand")

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import httpx2
 
+from canaryd.lazy import user_environ
+
 
 class VLLMServerError(RuntimeError):
     """The server exited or never became healthy; the message has its log tail."""
@@ -148,7 +150,7 @@ class VLLMServer:
         # (a share of RAM) would crowd a small CI machine.
         env = {
             **DEFAULTS,
-            **os.environ,
+            **user_environ(),
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",

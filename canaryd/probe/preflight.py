@@ -24,6 +24,7 @@ from canaryd.canaries import load_suites
 from canaryd.config import Config
 from canaryd.errors import EXIT_DRIFT, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, BudgetSpent, InputError
 from canaryd.judge.compare import Verdict
+from canaryd.lazy import user_environ
 from canaryd.observation import ErrorKind, Observation
 from canaryd.probe.budget import over_budget
 from canaryd.probe.run import BackendRun, Result, one_pass, plan
@@ -416,9 +417,10 @@ def run_preflight(
     from canaryd.harnesses.lm_eval import read_results, written_since
 
     try:
-        # the command creates its files as it would without canaryd (whose own umask is 0077: files.py)
+        # the command runs as it would without canaryd: the user's umask (canaryd's own is 0077: files.py)
+        # and environment (`lazy.user_environ`)
         umask = files.original_umask if files.original_umask is not None else -1
-        returncode = subprocess.run(list(argv), check=False, umask=umask).returncode
+        returncode = subprocess.run(list(argv), check=False, umask=umask, env=user_environ()).returncode
     except OSError as e:
         return PreflightReport(argv, checked, out_dir, start_error=str(e.strerror or e))
     command_doc = {"argv": list(argv), "cwd": str(Path.cwd()), "exit_code": returncode}

@@ -1,6 +1,7 @@
 """The CLI as a user meets it: exit codes and one-line errors, never a traceback."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -342,6 +343,40 @@ def test_help_version_and_validate_import_only_what_they_use(tmp_path):
         )
         p = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60)
         assert "LOADED []" in p.stdout, (args, p.stdout[-300:], p.stderr)
+
+
+@pytest.mark.parametrize("users", [None, "", "logfire"])
+def test_canaryd_skips_pydantic_plugins_and_preflight_runs_the_command_as_the_user_started_it(
+    tmp_path, users
+):
+    """canaryd turns pydantic's look for plugins off in its own process (#29: 20-50 ms of each start), unless
+    the user set the switch; the command `preflight` runs gets the environment and umask the user gave."""
+    lab = ScriptedLab(tmp_path, scripted())
+    env = {k: v for k, v in os.environ.items() if k != "PYDANTIC_DISABLE_PLUGINS"}
+    if users is not None:
+        env["PYDANTIC_DISABLE_PLUGINS"] = users
+
+    def run(*argv: str) -> subprocess.CompletedProcess:
+        p = subprocess.run(
+            [sys.executable, *argv], capture_output=True, text=True, env=env, umask=0o022, timeout=120
+        )
+        assert p.returncode == 0, p.stderr
+        return p
+
+    switch = "os.environ.get('PYDANTIC_DISABLE_PLUGINS')"
+    entry = (
+        f"import os\nfrom canaryd.__main__ import main\ntry:\n    main()\nfinally:\n    print(repr({switch}))"
+    )
+    own = run("-c", entry, "--version").stdout.splitlines()[-1]
+    assert own == repr("__all__" if users is None else users)
+
+    cli = ("-m", "canaryd", "-c", str(lab.path))
+    run(*cli, "pin", "--out", str(tmp_path / "pin.json"))
+    seen = tmp_path / "seen.json"
+    show = f"import json, os; json.dump([{switch}, os.umask(0)], open({str(seen)!r}, 'w'))"
+    pre = ("preflight", "--pin", str(tmp_path / "pin.json"), "--out", str(tmp_path / "out"))
+    run(*cli, *pre, "--", sys.executable, "-c", show)
+    assert json.loads(seen.read_text()) == [users, 0o022]
 
 
 def test_validate_still_checks_each_kinds_own_settings(tmp_path):
