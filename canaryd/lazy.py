@@ -2,7 +2,8 @@
 
 Every backend kind module is imported to validate a config (its ``Settings`` are in the config's union),
 but only a probe needs its HTTP client or logs: such modules import those names through here. The rest
-of canaryd imports heavy packages inside the functions that use them.
+of canaryd imports heavy packages inside the functions that use them. The CLI also spares pydantic's
+search for plugins (`skip_pydantic_plugins`).
 """
 
 from __future__ import annotations
