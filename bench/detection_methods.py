@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from bench.detection_lab import Served, check_key
+from bench.detection_living import Known, Refits
 from canaryd.canaries import Canary
 from canaryd.config import CompareConfig
 from canaryd.judge import reference
@@ -56,6 +57,7 @@ class Outcome:
     also: tuple[tuple[str, Outcome], ...] = ()
     # a detector's alarm: the rules its first alarm cycle met (`Decision.raised`)
     raised: tuple[str, ...] = ()
+    refit_probes: int = 0  # a detector's requests beyond its C·r: the refits' probes (`detection_living`)
 
 
 # canaryd's reference check, named for what it measures: the gap between the provider's reported logprobs
@@ -115,25 +117,50 @@ def judge(canary: Canary, base: Observation, obs: Observation, model: NoiseModel
 
 
 def detector_outcomes(
-    cycles: Sequence[dict[str, Comparison]], rule: Rule, rs: Sequence[int]
+    cycles: Sequence[dict[str, Comparison]], rule: Rule, rs: Sequence[int], refits: Refits | None = None
 ) -> dict[int, Outcome]:
     """Run `decide` from a fresh detector over the cycles; the test of r cycles is their first r. Score:
     (alarm on, largest e-CUSUM statistic, canaries out), all up to cycle r; an alarm names the rules that
-    raised it, so that false alarms can be told apart by the path that let them through."""
+    raised it, so that false alarms can be told apart by the path that let them through. With ``refits``,
+    each cycle's decision is followed by the product's refits (`detection_living`), and a refit model
+    judges the later cycles."""
     state, peak, outs, after = DetectorState(), 0.0, 0, {}
     alarmed = False  # the backend's alarm stays on once raised
     raised: tuple[str, ...] = ()
     for j, cycle in enumerate(cycles, 1):
+        if refits is not None:
+            cycle = {cid: refits.comparison(j - 1, cid, c) for cid, c in cycle.items()}
         ids = list(cycle)
         d = decide(ids, [cycle[i] for i in ids], state, arl=rule.arl, min_out=rule.min_out)
         state, peak, outs = d.state, max(peak, d.state.statistic), outs + len(d.out)
         raised = raised or d.raised
         alarmed = alarmed or state.alarm
-        after[j] = Outcome(alarmed, (alarmed, peak, outs), raised=raised)
+        spent = refits.probes if refits is not None else 0
+        after[j] = Outcome(alarmed, (alarmed, peak, outs), raised=raised, refit_probes=spent)
+        if refits is not None:
+            state = refits.after(j - 1, cycle, d)
     return {r: after[r] for r in rs}
 
 
-Known = dict[str, dict[str, tuple[Observation, NoiseModel]]]  # canary → configuration → (baseline, model)
+def trial_refits(
+    canaries: Sequence[Canary],
+    known: Known,
+    observed: Sequence[dict[str, Observation]],
+    pools: dict[str, list[Observation]],
+    rng: random.Random,
+    moving: Callable[[Observation], Observation] = lambda o: o,
+) -> Callable[[], Refits]:
+    """A fresh `Refits` for each row that judges this trial; the refit probes of a cycle are drawn once, on
+    first use, so that every row sees the same ones (``moving``: the shim's move of what the server gave)."""
+    drawn: dict[tuple[int, str], list[Observation]] = {}
+    k = CompareConfig().refit_probes
+
+    def more(j: int, cid: str) -> list[Observation]:
+        if (j, cid) not in drawn:
+            drawn[j, cid] = [moving(rng.choice(pools[cid])) for _ in range(k)]
+        return drawn[j, cid]
+
+    return lambda: Refits(canaries, known, observed, more, judge)
 
 
 def deployment(calibration: dict[str, list[Observation]]) -> Known:
@@ -173,9 +200,11 @@ def detector_method(
     out: dict[int, list[Outcome]] = {r: [] for r in settings.r_probes}
     longest = max(settings.r_probes)
     for _ in range(settings.trials):
-        picks = {cid: draw(js, longest, rng) for cid, js in comparisons.items()}
-        cycles = [{cid: js[j] for cid, js in picks.items()} for j in range(longest)]
-        for r, o in detector_outcomes(cycles, rule, settings.r_probes).items():
+        picks = {cid: draw(range(len(js)), longest, rng) for cid, js in comparisons.items()}
+        cycles = [{cid: comparisons[cid][i[j]] for cid, i in picks.items()} for j in range(longest)]
+        observed = [{cid: pools[cid][i[j]] for cid, i in picks.items()} for j in range(longest)]
+        refits = trial_refits(canaries, known, observed, pools, rng)()
+        for r, o in detector_outcomes(cycles, rule, settings.r_probes, refits).items():
             out[r].append(o)
     return out
 

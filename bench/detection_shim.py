@@ -27,6 +27,7 @@ from bench.detection_methods import (
     judged,
     permutations_for,
     reference_outcomes,
+    trial_refits,
 )
 from bench.detection_peers import LT, lt_outcome, lt_reference, lt_windows
 from bench.peers import LT_HISTORY, lt_statistic
@@ -71,9 +72,11 @@ def _shim_trial(
     settings,
     alpha: float,
     rng: random.Random,
+    living: bool = True,
 ) -> dict[str, dict[int, Outcome]]:
     """One trial of one canaryd mode under the shim, row → budget → outcome: the detector (knobs from alpha,
-    and the shipped defaults) and, on the shipped canaries' answers, the reference check."""
+    and the shipped defaults; ``living``: with the product's refits, `detection_living`) and, on the shipped
+    canaries' answers, the reference check."""
     name, canaries, pools, _ = mode
     known, floors = deployed
     longest = max(settings.r_probes)
@@ -84,7 +87,11 @@ def _shim_trial(
     drawn = [{cn.id: rng.choice(pools[cn.id]) for cn in canaries} for _ in range(longest)]
     moved = [{cid: moving(o) for cid, o in cycle.items()} for cycle in drawn]
     cycles = [{cn.id: judged(cn, known, m[cn.id]) for cn in canaries} for m in moved]
-    out = {row: detector_outcomes(cycles, rule, settings.r_probes) for row, rule in rules.items()}
+    refits = trial_refits(canaries, known, moved, pools, rng, moving)
+    out = {
+        row: detector_outcomes(cycles, rule, settings.r_probes, refits() if living else None)
+        for row, rule in rules.items()
+    }
     if name == "canaryd":  # the same answers as served, and with the provider's logprobs as reported
         pairs = [{cid: (a[cid], m[cid]) for cid in a} for a, m in zip(drawn, moved, strict=True)]
         after = reference_outcomes(ref, pairs, floors, alpha)
@@ -100,6 +107,7 @@ def shim_outcomes(
     alpha: float,
     seed: int,
     cal_days: int = SHIM_CAL_DAYS,
+    living: bool = True,
 ) -> dict[tuple[str, str], dict[float, list[Outcome]]]:
     """canaryd (shipped, teacher-forced, reference gap) and LT when every logprob the tested server gives
     carries SYNTHETIC mode noise of scale sigma, or the realistic model's preset sigma (`Shim`; the text
@@ -137,9 +145,8 @@ def shim_outcomes(
                     if id(probes) not in deployed:
                         known = shimmed_deployment(shim, mixes, probes)
                         deployed[id(probes)] = known, floors_of(known)
-                    trial = _shim_trial(
-                        ref, mode, deployed[id(probes)], partial(shim, mix=mix), settings, alpha, rng
-                    )
+                    moving = partial(shim, mix=mix)
+                    trial = _shim_trial(ref, mode, deployed[id(probes)], moving, settings, alpha, rng, living)
                     for row, by_r in trial.items():
                         for r, o in by_r.items():
                             add(row, variant, r, o)

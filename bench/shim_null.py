@@ -100,6 +100,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cal-days", type=int, default=SHIM_CAL_DAYS, help="days the K calibration probes span")
     ap.add_argument("--each", action="store_true", help="also print every deployment's row")
+    ap.add_argument(
+        "--fixed",
+        action="store_true",
+        help="judge against the calibration alone, without the product's refits",
+    )
     args = ap.parse_args()
     if args.cal_days < 1:
         ap.error("--cal-days must be at least 1")
@@ -110,12 +115,14 @@ def main() -> None:
     print(
         f"SYNTHETIC shim {level}: {args.canaries} one-token top-{TOP} canaries, K = {k}, r = {args.r}, "
         f"α = {args.alpha}, calibration over {args.cal_days} days, {settings.null_trials} honest tests per "
-        f"deployment; bound 1/(K+1) = {1 / (k + 1):.3f}"
+        f"deployment; bound 1/(K+1) = {1 / (k + 1):.3f}; "
+        + ("the calibration alone" if args.fixed else "with the product's refits")
     )
     seen: dict[str, list[Deployed]] = {row: [] for row in OURS}
     for d in range(args.deployments):
         seed = args.seed * 1000 + d
-        out = split(shim_outcomes(level, ref, servers, settings, args.alpha, seed, cal_days=args.cal_days))
+        living = not args.fixed
+        out = split(shim_outcomes(level, ref, servers, settings, args.alpha, seed, args.cal_days, living))
         for row in OURS:
             seen[row].append(Deployed.of(out[(row, "N0")][args.r], args.r * args.canaries))
     if args.each:
@@ -129,9 +136,10 @@ def main() -> None:
     bound = 1 / (k + 1)
     print(
         "| row | honest tests alarmed [95% CI] | raised by | deployments with an alarm | canary-cycles out "
-        "[95% CI] | out per deployment: min / median / max | deployments out above 1/(K+1) (95% CI) |"
+        "[95% CI] | out per deployment: min / median / max | deployments out above 1/(K+1) (95% CI) | refit "
+        "probes per test |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for row, deployed in seen.items():
         alarms, tests = sum(x.alarms for x in deployed), sum(x.tests for x in deployed)
         outs, cells = sum(x.outs for x in deployed), sum(x.cells for x in deployed)
@@ -142,7 +150,7 @@ def main() -> None:
             f"| {row} | {alarms}/{tests} {_interval(alarms, tests)} | {_rules(rules)} | "
             f"{sum(x.alarms > 0 for x in deployed)} of {len(deployed)} | {outs / cells:.4f} "
             f"{_interval(outs, cells)} | {rates[0]:.3f} / {statistics.median(rates):.3f} / {rates[-1]:.3f} | "
-            f"{above} of {len(deployed)} |"
+            f"{above} of {len(deployed)} | {sum(x.refit_probes for x in deployed) / tests:.2f} |"
         )
 
 
@@ -155,6 +163,7 @@ class Deployed:
     rules: Counter[str]  # alarms by the rule that raised them (a cycle can meet two)
     outs: int  # canary-cycles out
     cells: int  # canary-cycles
+    refit_probes: int  # requests the refits sent beyond the tests' own
 
     @property
     def rate(self) -> float:
@@ -163,7 +172,10 @@ class Deployed:
     @classmethod
     def of(cls, tests: list, per_test: int) -> Deployed:
         outs = sum(o.score[2] for o in tests)  # the detector's score: (alarm, peak e-CUSUM, outs so far)
-        return cls(sum(o.reject for o in tests), len(tests), rule_counts(tests), outs, len(tests) * per_test)
+        spent = sum(o.refit_probes for o in tests)
+        return cls(
+            sum(o.reject for o in tests), len(tests), rule_counts(tests), outs, len(tests) * per_test, spent
+        )
 
 
 def _rules(rules: Counter[str]) -> str:

@@ -16,10 +16,13 @@ from bench.detection_methods import (
     REFERENCE_ROW,
     TRACKING_ROW,
     Reference,
+    Rule,
     canaryd_reference,
     deployment,
     detector_method,
+    detector_outcomes,
     judged,
+    trial_refits,
 )
 from bench.detection_peers import DIFR, LT, LT_P, LT_PROD, MET, difr_method, lt_method, lt_windows, split
 from bench.detection_shim import shim_outcomes
@@ -300,7 +303,7 @@ def test_the_null_bench_counts_each_deployments_alarms_rules_and_outs():
         assert x.tests == 10 and x.cells == 240 and 0 <= x.outs <= x.cells
         assert sum(x.rules.values()) >= x.alarms  # each alarm names at least one rule
     still = split(shim_outcomes(0.0, ref, servers, Settings((4,), 10), 0.01, seed=0))
-    assert all(Deployed.of(still[(row, "N0")][4], 24) == Deployed(0, 10, {}, 0, 240) for row in OURS)
+    assert all(Deployed.of(still[(row, "N0")][4], 24) == Deployed(0, 10, {}, 0, 240, 0) for row in OURS)
 
 
 def test_a_calibration_spread_over_more_days_sees_more_routes_and_leaves_fewer_honest_outs():
@@ -313,11 +316,49 @@ def test_a_calibration_spread_over_more_days_sees_more_routes_and_leaves_fewer_h
     def outs(days: int) -> int:
         total = 0
         for seed in range(4):
-            out = split(
-                shim_outcomes("gpu-bf16", ref, servers, Settings((4,), 10), 0.01, seed, cal_days=days)
-            )
+            settings = Settings((4,), 10)  # the calibration alone: refits would widen it
+            out = split(shim_outcomes("gpu-bf16", ref, servers, settings, 0.01, seed, days, living=False))
             total += sum(Deployed.of(out[(row, "N0")][4], 24).outs for row in OURS)
         return total
 
     one, twenty = outs(1), outs(20)
     assert one > 4 * twenty > 0, (one, twenty)
+
+
+def test_the_detector_rows_refit_an_honest_growth_of_noise_as_the_product_does_and_never_a_shift():
+    """`detection_living`: after a cycle's decision, a canary out of its noise whose answers kept their
+    location gets the product's refit probes and joins them to its model, so a noise that grew (up and down
+    around the centre) stops being out; logprobs moved one way are never refit, and judge as without."""
+    rng = random.Random(0)
+    cids = [f"c{i}" for i in range(3)]
+    canaries = [CANARY.model_copy(update={"id": c}) for c in cids]
+
+    def answer(cid: str, sd: float, shift: float = 0.0) -> Observation:
+        o = obs("f32", -0.5, canary=cid)
+        lps = [-0.5 + shift + rng.gauss(0, sd) for _ in range(8)]
+        o.tokens = [TokenLogprob("5", x, top=(("5", x), ("x", x - 3.0 + rng.gauss(0, sd)))) for x in lps]
+        return o
+
+    known = deployment({c: [answer(c, 0.01) for _ in range(20)] for c in cids})
+    rule = Rule(None, 1e4)
+
+    def tests(sd: float, shift: float, living: bool) -> tuple[int, int, int]:
+        """Canary-cycles out in the later half of 10 tests of 12 cycles, alarms, refit probes."""
+        later = alarms = spent = 0
+        for _ in range(10):
+            pools = {c: [answer(c, sd, shift) for _ in range(40)] for c in cids}
+            observed = [{c: rng.choice(pools[c]) for c in cids} for _ in range(12)]
+            cycles = [
+                {c: judged(cn, known, o[c]) for c, cn in zip(cids, canaries, strict=True)} for o in observed
+            ]
+            refits = trial_refits(canaries, known, observed, pools, rng)() if living else None
+            half, whole = detector_outcomes(cycles, rule, [6, 12], refits).values()
+            later += whole.score[2] - half.score[2]
+            alarms, spent = alarms + whole.reject, spent + whole.refit_probes
+        return later, alarms, spent
+
+    grown, refit = tests(0.015, 0.0, False), tests(0.015, 0.0, True)
+    assert grown[2] == 0 and refit[2] > 0  # the refits' probes are counted, and only where refits ran
+    assert refit[0] < grown[0] / 3, (grown, refit)  # once the model widened, its canaries stay in
+    shifted, tried = tests(0.01, -0.3, False), tests(0.01, -0.3, True)
+    assert tried[2] == 0 and tried[:2] == shifted[:2] and shifted[1] == 10  # no refit: every test alarms
