@@ -77,6 +77,18 @@ def describe_rules(counts: Mapping[str, int]) -> str:
     return ", ".join(f"{rule} {n}" for rule, n in sorted(counts.items()))
 
 
+def refit_probes(cells: Cells, name: str, r: float, variants: Iterable[str] | None = None) -> float:
+    """A detector's refit probes per test at budget r (`detection_living`), over ``variants`` (every one):
+    requests of the test like its C·r, so its requests and tokens count them."""
+    spent = [
+        o.refit_probes
+        for (n, v), by_r in cells.items()
+        if n == name and (variants is None or v in variants)
+        for o in by_r.get(r, [])
+    ]
+    return sum(spent) / len(spent) if spent else 0.0
+
+
 def race(
     cells: Cells, ladder: Sequence[str], c: int, tokens: dict[str, float], seed: int, resamples: int
 ) -> dict:
@@ -92,8 +104,10 @@ def race(
         for r in sorted(cells.get((name, "N0"), {})):
             auc = auc_interval(*ladder_scores(cells, name, ladder, r), rng=rng, resamples=resamples)
             fa = {v: false_alarms(cells, name, v, r) for v in HONEST if (name, v) in cells}
+            extra = refit_probes(cells, name, r)
             per[name][r] = {
-                "tokens": c * r * tokens[name],
+                "tokens": (c * r + extra) * tokens[name],
+                "refit_probes": extra,
                 "auc": auc,
                 "power": ladder_power(cells, name, ladder, r),
                 "false_alarms": fa,
@@ -168,7 +182,8 @@ def per_method_table(
     """Per method and budget: tokens per test, ladder AUC [95% CI], ladder power, false alarms with their
     Clopper–Pearson upper bounds; the off-test cost once per method."""
     lines = [
-        "| method | r | tokens/test | ladder AUC [95% CI] | ladder power | false alarms (≤ 95% upper) |",
+        "| method | r | tokens/test (refit probes a test) | ladder AUC [95% CI] | ladder power | false "
+        "alarms (≤ 95% upper) |",
         "|---|---|---|---|---|---|",
     ]
     for name, by_r in result["per"].items():
@@ -176,7 +191,8 @@ def per_method_table(
             if rs is not None and r not in rs and name not in (LT, LT_P, LT_PROD):
                 continue
             fa = _fa(x["false_alarms"], x["raised"])
-            lines.append(f"| {name} | {r:g} | {x['tokens']:,.0f} | {x['auc']} | {x['power']:.2f} | {fa} |")
+            cost = f"{x['tokens']:,.0f}" + (f" ({x['refit_probes']:.2f})" if x.get("refit_probes") else "")
+            lines.append(f"| {name} | {r:g} | {cost} | {x['auc']} | {x['power']:.2f} | {fa} |")
     if off:
         lines += ["", "| method | off-test cost (not in tokens/test) |", "|---|---|"]
         lines += [f"| {name} | {cost} |" for name, cost in off.items()]

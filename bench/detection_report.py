@@ -14,7 +14,7 @@ from bench.detection_methods import OURS, REFERENCE_ROW, REQUESTS, Outcome, Refe
 from bench.detection_peers import DIFR, PEER_REQUESTS
 from bench.detection_product import SUITES
 from bench.detection_product import table as product_table
-from bench.detection_race import per_method_table, race_table, tally
+from bench.detection_race import per_method_table, race_table, refit_probes, tally
 from bench.intervals import clopper_pearson, rate
 from bench.peers import roc_auc
 
@@ -60,7 +60,7 @@ def figures(cells: Cells, ladder: Sequence[str], c: int, tokens: dict[str, float
             },
             "power_095": None
             if need is None or variant in HONEST
-            else {"r": need, "requests": c * need, "tokens": round(c * need * tokens[name])},
+            else cost(c * need + refit_probes(cells, name, need, (variant,)), tokens[name], need),
         }
     for name in dict.fromkeys(n for n, _ in cells):
         null = cells.get((name, "N0"), {})
@@ -72,7 +72,8 @@ def figures(cells: Cells, ladder: Sequence[str], c: int, tokens: dict[str, float
             )
             for r in rs
         }
-        cheap = [r for r in rs if c * r * tokens[name] <= TOKEN_TARGET]
+        per_test = {r: (c * r + refit_probes(cells, name, r)) * tokens[name] for r in rs}
+        cheap = [r for r in rs if per_test[r] <= TOKEN_TARGET]
         # the smallest budget at which every ladder variant is detected with power 0.95
         need = next(
             (r for r in rs if all(power(cells[(name, v)][r]) >= POWER for v in ladder if (name, v) in cells)),
@@ -81,15 +82,21 @@ def figures(cells: Cells, ladder: Sequence[str], c: int, tokens: dict[str, float
         out["methods"][name] = {
             "requests_per_test": (REQUESTS | PEER_REQUESTS).get(name, ("", "C·r"))[1],
             "tokens_per_request": tokens[name],
-            "tokens_per_test": {r: round(c * r * tokens[name]) for r in rs},
+            "tokens_per_test": {r: round(t) for r, t in per_test.items()},
             "ladder_auc": auc,
             "ladder_auc_within_token_target": auc[max(cheap)] if cheap else None,
             "false_alarms_n0": {r: f"{sum(o.reject for o in null[r])}/{len(null[r])}" for r in rs},
             "ladder_power_095": None
             if need is None
-            else {"r": need, "requests": c * need, "tokens": round(c * need * tokens[name])},
+            else cost(c * need + refit_probes(cells, name, need, ladder), tokens[name], need),
         }
     return out
+
+
+def cost(requests: float, per_request: float, r: float) -> dict:
+    """A budget at r: requests per test (a detector's refit probes included) and their tokens."""
+    shown = int(requests) if requests == int(requests) else round(requests, 1)
+    return {"r": r, "requests": shown, "tokens": round(requests * per_request)}
 
 
 def power_table(cells: Cells, figs: dict, variants: Sequence[str], rs: Sequence[int]) -> str:

@@ -10,8 +10,8 @@ import pytest
 
 from bench.detection_methods import TRACKING_ROW, Outcome
 from bench.detection_peers import LT
-from bench.detection_race import per_method_table, race, race_table, tally
-from bench.detection_report import targets
+from bench.detection_race import per_method_table, race, race_table, refit_probes, tally
+from bench.detection_report import figures, targets
 from bench.intervals import Interval, auc_difference, auc_interval, clopper_pearson, rate, verdict
 from bench.peers import roc_auc
 
@@ -118,6 +118,28 @@ def test_false_alarms_are_counted_by_the_rule_that_raised_them() -> None:
     assert x["false_alarms"]["N0"][:2] == (5, 100)
     assert x["raised"]["N0"] == {"min-out": 4, "e-cusum": 2}
     assert "N0 5/100 (≤ 0.113, by e-cusum 2, min-out 4)" in per_method_table(result)
+
+
+def test_a_detectors_refit_probes_are_requests_of_its_test_in_its_tokens_and_its_cost() -> None:
+    """The probes a detector row's refits sent (`Outcome.refit_probes`) count in its tokens per test, at
+    equal tokens and in the budget for power 0.95, beside its C·r; a peer's outcomes carry none."""
+    cells = {
+        (TRACKING_ROW, "N0"): {1: [Outcome(False, 0.0, refit_probes=3)] * 10 + [Outcome(False, 0.0)] * 10},
+        (TRACKING_ROW, "Q1"): {1: [Outcome(True, 1.0, refit_probes=2)] * 20},
+        (LT, "N0"): {1: [Outcome(False, 0.0)] * 20},
+        (LT, "Q1"): {1: [Outcome(True, 1.0)] * 20},
+    }
+    assert (
+        refit_probes(cells, TRACKING_ROW, 1) == 70 / 40 and refit_probes(cells, TRACKING_ROW, 1, ["Q1"]) == 2
+    )
+    result = race(cells, ["Q1"], 6, {TRACKING_ROW: 2.0, LT: 2.0}, seed=0, resamples=50)
+    assert (
+        result["per"][TRACKING_ROW][1]["tokens"] == (6 + 70 / 40) * 2 and result["per"][LT][1]["tokens"] == 12
+    )
+    assert "| canaryd tracking | 1 | 16 (1.75) |" in per_method_table(result)
+    figs = figures(cells, ["Q1"], 6, {TRACKING_ROW: 2.0, LT: 2.0})
+    assert figs["methods"][TRACKING_ROW]["ladder_power_095"] == {"r": 1, "requests": 8, "tokens": 16}
+    assert figs["methods"][LT]["ladder_power_095"] == {"r": 1, "requests": 6, "tokens": 12}
 
 
 def test_at_equal_tokens_each_peer_also_meets_the_shipped_suite_where_another_mode_is_best() -> None:
