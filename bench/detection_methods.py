@@ -193,7 +193,8 @@ def detector_method(
     alpha: float,
     rng: random.Random,
 ) -> dict:
-    """C canaries, r probes each, drawn from the pools; calibrated `compare` + `decide`, knobs from alpha."""
+    """C canaries, r probes each, drawn from the pools; calibrated `compare` + `decide`, knobs from alpha,
+    and the product's refits (`detection_living`)."""
     k = min(len(model.loo) for per in known.values() for _, model in per.values())
     rule = alpha_rule(alpha, max(settings.r_probes), k, len(canaries))
     comparisons = {c.id: [judged(c, known, o) for o in pools[c.id]] for c in canaries}
