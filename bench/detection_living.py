@@ -17,8 +17,8 @@ from collections.abc import Callable, Sequence
 from canaryd.canaries import Canary
 from canaryd.config import CompareConfig
 from canaryd.judge.compare import Comparison, Decision
-from canaryd.judge.living import Location, location, pooled, refit, restarts_detector
-from canaryd.judge.stats import DetectorState, NoiseModel, point
+from canaryd.judge.living import Location, due_refits, location, refit, restarts_detector
+from canaryd.judge.stats import DetectorState, NoiseModel, Point, point
 from canaryd.observation import Observation
 from canaryd.stack import configuration_of
 
@@ -60,29 +60,22 @@ class Refits:
         return self.judge(self.canaries[cid], base, obs, model)
 
     def after(self, j: int, cycle: dict[str, Comparison], d: Decision) -> DetectorState:
-        """Cycle j's refits (`refresh`'s rule); the detector state the next cycle starts from."""
-        ts, bounds, quiet = [], [], True
-        due: dict[str, tuple[str, Location, Observation]] = {}
+        """Cycle j's refits (`refresh`'s rule: `due_refits`); the state the next cycle starts from."""
+        answers: list[tuple[Comparison, NoiseModel, Point]] = []
+        owners: list[tuple[str, str, Observation]] = []
         for cid, comp in cycle.items():
             ev, obs = comp.evidence, self.observed[j][cid]
             cfg = configuration_of(obs.stack)
             if ev is None or ev.method != "conformal-nn" or not obs.ok or cfg not in self.models[cid]:
                 continue
-            model = self.models[cid][cfg][1]
-            loc = self._location(model)
-            t = loc.t(model, point(obs))
-            if t is None:
-                continue
-            ts.append(t)
-            bounds.append(loc.bound)
-            quiet = quiet and abs(t) <= loc.bound
-            if ev.out and abs(t) <= loc.bound and not (comp.stack_changes or comp.prompt_tokens_changed):
-                due[cid] = (cfg, loc, obs)
-        quiet = quiet and abs(pooled(ts)) <= max(bounds, default=0.0)
-        if not (due and quiet):
+            answers.append((comp, self.models[cid][cfg][1], point(obs)))
+            owners.append((cid, cfg, obs))
+        quiet, due_at = due_refits(answers, self._location)
+        if not due_at:
             return d.state
         done = set()
-        for cid, (cfg, loc, obs) in due.items():
+        for i, loc in due_at:
+            cid, cfg, obs = owners[i]
             base, model = self.models[cid][cfg]
             extra = self.more(j, cid)
             self.probes += len(extra)

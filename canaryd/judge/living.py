@@ -60,10 +60,14 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from canaryd.judge.stats import MIN_SUPPORT, Key, NoiseModel, Point, Refit, Regime, common_prefix, distance
+
+if TYPE_CHECKING:
+    from canaryd.judge.compare import Comparison
 
 W_FLOOR = 2.5  # |W| beyond it: 1.2% of honest answers under symmetry alone (W's distribution-free null)
 
@@ -191,6 +195,29 @@ def _loo(model: NoiseModel, refs: Sequence[Point]) -> list[float]:
         min(distance(r, o, model.spread, model.default_spread) for j, o in enumerate(refs) if j != i)
         for i, r in enumerate(refs)
     ]
+
+
+def due_refits(
+    answers: Sequence[tuple[Comparison, NoiseModel, Point]],
+    locate: Callable[[NoiseModel], Location] = location,
+) -> tuple[bool, list[tuple[int, Location]]]:
+    """The rule's first half, before any probe is sent, over a pass's calibrated answers (each with its
+    comparison, its configuration's model and its point): whether the pass kept its location (every answer,
+    and the answers `pooled`), and the answers due a refit, by index, with their model's location: out of
+    their noise, location-quiet, with no stack or prompt change. On a pass that moved, none is due."""
+    ts, bounds, quiet, due = [], [], True, []
+    for i, (comparison, model, x) in enumerate(answers):
+        loc = locate(model)
+        if (t := loc.t(model, x)) is None:
+            continue
+        ts.append(t)
+        bounds.append(loc.bound)
+        quiet = quiet and abs(t) <= loc.bound
+        moved = comparison.stack_changes or comparison.prompt_tokens_changed
+        if comparison.evidence is not None and comparison.evidence.out and abs(t) <= loc.bound and not moved:
+            due.append((i, loc))
+    quiet = quiet and abs(pooled(ts)) <= max(bounds, default=0.0)
+    return quiet, due if quiet else []
 
 
 def pooled(ts: Sequence[float]) -> float:

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from canaryd import progress
 from canaryd.judge.answers import WithAnswers
-from canaryd.judge.living import Location, location, pooled, refit, restarts_detector
-from canaryd.judge.stats import NoiseModel, point
+from canaryd.judge.living import due_refits, refit, restarts_detector
+from canaryd.judge.stats import NoiseModel, Point, point
 from canaryd.observation import Observation, utcnow
 from canaryd.probe.learn import _usable, stored
 from canaryd.probe.shapes import Judged, shape_of
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from canaryd.backends import Backend
     from canaryd.canaries import Canary
     from canaryd.config import CompareConfig
-    from canaryd.judge.compare import Decision
+    from canaryd.judge.compare import Comparison, Decision
     from canaryd.store import Store
 
 
@@ -46,9 +46,9 @@ def refresh(
     if not settings.refit:
         return list(judged)
     # first the pass as it stands: each calibrated answer's location, and the pass's canaries pooled
-    due: dict[str, tuple[NoiseModel, Location, Observation]] = {}
     reads = store.judging(backend.name)
-    ts, bounds, quiet = [], [], True
+    answers: list[tuple[Comparison, NoiseModel, Point]] = []
+    owners: list[Observation] = []
     for canary, per in zip(canaries, judged, strict=True):
         for j in per if shape_of(canary).calibrated else ():
             ev, obs = j.comparison.evidence, j.observation
@@ -56,19 +56,12 @@ def refresh(
                 continue
             if (model := stored(reads, backend.name, obs)[1]) is None:
                 continue
-            loc = location(model)
-            t = loc.t(model, point(obs))
-            if t is None:
-                continue
-            ts.append(t)
-            bounds.append(loc.bound)
-            quiet = quiet and abs(t) <= loc.bound
-            moved = j.comparison.stack_changes or j.comparison.prompt_tokens_changed
-            if ev.out and abs(t) <= loc.bound and not moved:
-                due[obs.canary_id] = (model, loc, obs)
-    quiet = quiet and abs(pooled(ts)) <= max(bounds, default=0.0)
-    if not (due and quiet):
+            answers.append((j.comparison, model, point(obs)))
+            owners.append(obs)
+    quiet, due_at = due_refits(answers)
+    if not due_at:
         return list(judged)
+    due = {owners[i].canary_id: (answers[i][1], loc, owners[i]) for i, loc in due_at}
     # then the out ones: more probes, and the refit when they keep the location too
     notes: dict[str, str] = {}
     saves: list[tuple[str, str, NoiseModel]] = []
