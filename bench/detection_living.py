@@ -23,6 +23,7 @@ from canaryd.observation import Observation
 from canaryd.stack import configuration_of
 
 Known = dict[str, dict[str, tuple[Observation, NoiseModel]]]  # canary → configuration → (baseline, model)
+KNOBS = CompareConfig()  # the product's defaults: refit_probes probes a refit, widened at most refit_cap×
 Judge = Callable[[Canary, Observation, Observation, NoiseModel], Comparison]
 
 
@@ -39,12 +40,10 @@ class Refits:
         observed: Sequence[dict[str, Observation]],
         more: Callable[[int, str], list[Observation]],
         judge: Judge,
-        settings: CompareConfig | None = None,
     ) -> None:
         self.canaries = {c.id: c for c in canaries}
         self.models = {cid: dict(per) for cid, per in known.items()}
         self.observed, self.more, self.judge = observed, more, judge
-        self.settings = settings or CompareConfig()
         self.changed: set[tuple[str, str]] = set()  # (canary, configuration) refit in this test
         self.probes = 0
         self._locations: dict[int, tuple[NoiseModel, Location]] = {}
@@ -80,7 +79,7 @@ class Refits:
             extra = self.more(j, cid)
             self.probes += len(extra)
             usable = [point(o) for o in extra if o.ok and configuration_of(o.stack) == cfg]
-            got = refit(model, [point(obs), *usable], loc, cap=self.settings.refit_cap, at="")
+            got = refit(model, [point(obs), *usable], loc, cap=KNOBS.refit_cap, at="")
             if isinstance(got, NoiseModel):
                 self.models[cid][cfg] = (base, got)
                 self.changed.add((cid, cfg))

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from bench.detection_lab import Served, check_key
-from bench.detection_living import Known, Refits
+from bench.detection_living import KNOBS, Known, Refits
 from canaryd.canaries import Canary
 from canaryd.config import CompareConfig
 from canaryd.judge import reference
@@ -153,11 +153,10 @@ def trial_refits(
     """A fresh `Refits` for each row that judges this trial; the refit probes of a cycle are drawn once, on
     first use, so that every row sees the same ones (``moving``: the shim's move of what the server gave)."""
     drawn: dict[tuple[int, str], list[Observation]] = {}
-    k = CompareConfig().refit_probes
 
     def more(j: int, cid: str) -> list[Observation]:
         if (j, cid) not in drawn:
-            drawn[j, cid] = [moving(rng.choice(pools[cid])) for _ in range(k)]
+            drawn[j, cid] = [moving(rng.choice(pools[cid])) for _ in range(KNOBS.refit_probes)]
         return drawn[j, cid]
 
     return lambda: Refits(canaries, known, observed, more, judge)

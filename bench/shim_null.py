@@ -119,9 +119,9 @@ def main() -> None:
         + ("the calibration alone" if args.fixed else "with the product's refits")
     )
     seen: dict[str, list[Deployed]] = {row: [] for row in OURS}
+    living = not args.fixed
     for d in range(args.deployments):
         seed = args.seed * 1000 + d
-        living = not args.fixed
         out = split(shim_outcomes(level, ref, servers, settings, args.alpha, seed, args.cal_days, living))
         for row in OURS:
             seen[row].append(Deployed.of(out[(row, "N0")][args.r], args.r * args.canaries))
