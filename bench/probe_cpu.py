@@ -14,7 +14,8 @@ rounds that each take all three side by side (medians printed; the ratios are me
   and calibration read per probe, a transaction per observation) and after (what a pass now calls).
 
 ``--before REF`` runs the same measurements on a git revision (in a temporary worktree) and prints them
-beside these, its phases as the "before".
+beside these, its phases as the "before". The two trees then take turns, one round each in a process of
+its own, so that a busy moment of the machine weighs on both (each round's ratios are to its own floor).
 
     .venv/bin/python bench/probe_cpu.py [--canaries 13] [--passes 30] [--runs 5] [--before REF]
 """
@@ -135,7 +136,8 @@ def main() -> None:
     if args.serve:
         return serve()
     log.configure("warning")
-    old = measure_revision(args) if args.before else None
+    if args.before:
+        return report(*interleaved(args), args)
     child = subprocess.Popen(
         [sys.executable, __file__, "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
@@ -151,28 +153,44 @@ def main() -> None:
     if args.json:
         print(json.dumps(figures))
     else:
-        report(figures, old, args)
+        report(figures, None, args)
 
 
-def measure_revision(args) -> dict:
-    """This bench run on another revision of canaryd (its own loopback server, one after the other)."""
+def interleaved(args) -> tuple[dict, dict]:
+    """This tree's figures and ``--before``'s (in a worktree): ``--runs`` rounds of one run each, the two
+    trees taking turns; medians of the rounds."""
     tree = Path(tempfile.mkdtemp(prefix="canaryd-before-")) / "tree"
     subprocess.run(
         ["git", "-C", str(REPO), "worktree", "add", "--detach", "-q", str(tree), args.before], check=True
     )
     try:
         (tree / "bench" / "probe_cpu.py").write_text(Path(__file__).read_text())
-        flags = ["--canaries", str(args.canaries), "--passes", str(args.passes), "--runs", str(args.runs)]
-        out = subprocess.run(
-            [sys.executable, str(tree / "bench" / "probe_cpu.py"), "--json", *flags],
-            env={**os.environ, "PYTHONPATH": str(tree)},
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-        return json.loads(out.splitlines()[-1])
+        flags = ["--canaries", str(args.canaries), "--passes", str(args.passes), "--runs", "1", "--json"]
+        rounds: dict[Path, list[dict]] = {REPO: [], tree: []}
+        for _ in range(args.runs):
+            for root, done in rounds.items():
+                out = subprocess.run(
+                    [sys.executable, str(root / "bench" / "probe_cpu.py"), *flags],
+                    env={**os.environ, "PYTHONPATH": str(root)},
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                ).stdout
+                done.append(json.loads(out.splitlines()[-1]))
+        return _medians(rounds[REPO]), _medians(rounds[tree])
     finally:
         subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], check=False)
+
+
+def _medians(rounds: list[dict]) -> dict:
+    first = rounds[0]
+    out = {key: statistics.median(r[key] for r in rounds) for key in ("floor", "daemon", "cli", "stdlib")}
+    out["ratios"] = {key: statistics.median(r["ratios"][key] for r in rounds) for key in first["ratios"]}
+    out["phases"] = {
+        name: [statistics.median(r["phases"][name][i] for r in rounds) for i in range(len(figures))]
+        for name, figures in first["phases"].items()
+    }
+    return out | {"canaries": first["canaries"]}
 
 
 def measure(config, args) -> dict:
@@ -291,7 +309,7 @@ def report(now: dict, old: dict | None, args) -> None:
     before_phases = (old or now)["phases"]
     total_b = total_a = 0.0
     for name, figures in now["phases"].items():
-        b, a = before_phases[name][0], figures[-1]
+        b, a = before_phases[name][-1 if old else 0], figures[-1]  # what each revision's pass calls
         total_b, total_a = total_b + b, total_a + a
         print(f"    {name:<42} {b * ms:7.3f} ms -> {a * ms:7.3f} ms")
     print(f"    {'sum':<42} {total_b * ms:7.3f} ms -> {total_a * ms:7.3f} ms")
