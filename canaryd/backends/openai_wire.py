@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+import orjson
+
 from canaryd.observation import (
     LOGPROB_MAX,
     LOGPROB_MIN,
@@ -39,8 +41,17 @@ def parse_json(body: bytes | str) -> Any:
     let UTF-8-encoded surrogates through), and a body nested deeper than the interpreter's recursion limit
     (about 1,000 levels), which makes ``json.loads`` raise ``RecursionError``, is an invalid response like
     any other instead of an exception that costs the pass.
+
+    A body orjson reads is taken as orjson reads it, in about a third of ``json.loads``'s CPU; what it
+    refuses (a BOM, ``NaN``, a number beyond a float, invalid UTF-8, deep nesting) is read as above, with the
+    same answers and errors. The one difference: an integer beyond 64 bits arrives as a float, which every
+    integer field refuses.
     """
     if isinstance(body, bytes | bytearray | memoryview):
+        try:
+            return orjson.loads(body)
+        except orjson.JSONDecodeError:
+            pass
         try:
             body = bytes(body).decode("utf-8-sig")  # RFC 8259 8.1: a parser may ignore a BOM
         except UnicodeDecodeError as e:
@@ -180,8 +191,12 @@ def _plain_entry(item: Any) -> tuple[str, float, tuple[int, ...] | None, tuple] 
     if alts is not None:
         if type(alts) is not list:
             return None
-        for alt in alts:
-            if type(alt) is not dict or not _usable(t := alt.get("token"), v := alt.get("logprob")):
+        lo, hi = LOGPROB_MIN, LOGPROB_MAX
+        for alt in alts:  # `_usable`, inlined: it runs for every alternative of every token
+            if type(alt) is not dict:
+                return None
+            t, v = alt.get("token"), alt.get("logprob")
+            if not (type(t) is str and t.isascii() and type(v) is float and lo <= v <= hi):
                 return None
             top.append((t, v))
     return item["token"], item["logprob"], None if raw is None else tuple(raw), tuple(top)
@@ -246,7 +261,11 @@ def _entries(content: list, ids: list | None, at: str) -> list[TokenLogprob]:
     for i, item in enumerate(content):
         if (plain := _plain_entry(item)) is not None:
             token, logprob, raw, top = plain
-            tokens.append(TokenLogprob(token, logprob, _token_id(ids, i), raw, top))
+            if ids is None or i >= len(ids):
+                tid = None
+            elif type(tid := ids[i]) is not int:  # `_token_id` names what is wrong (a bool is no id)
+                tid = _token_id(ids, i)
+            tokens.append(TokenLogprob(token, logprob, tid, raw, top))
             continue
         where = f"{at}.{i}"
         c = _typed(item, dict, where, optional=False)

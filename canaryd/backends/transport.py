@@ -28,7 +28,6 @@ import socket
 import threading
 import time
 import zlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -97,17 +96,14 @@ class Deadline:
             raise error(self.describe())
         return left if timeout is None else min(timeout, left)
 
-    @contextlib.contextmanager
-    def blocking_on(self, stream: NetworkStream) -> Iterator[None]:
-        """Mark ``stream``'s socket as the one to shut down if the deadline passes meanwhile."""
-        sock = stream.get_extra_info("socket")
+    def block(self, sock: socket.socket | None) -> None:
+        """Mark ``sock`` as the one to shut down if the deadline passes before `unblock`."""
         with self._lock:
             self._blocked = sock
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._blocked = None
+
+    def unblock(self) -> None:
+        with self._lock:
+            self._blocked = None
 
     def _expire(self) -> None:
         with self._lock:  # under the lock: never a socket already handed back to the pool
@@ -164,18 +160,23 @@ _CURRENT: contextvars.ContextVar[Deadline | None] = contextvars.ContextVar("cana
 
 
 class _Stream(NetworkStream):
-    """A connection's stream: inside a request's deadline, every operation is bounded by it."""
+    """A connection's stream: inside a request's deadline, every operation is bounded by it. (Each read
+    and write marks its socket by hand, not through a context manager: a probe makes several of them.)"""
 
     def __init__(self, inner: NetworkStream) -> None:
         self._inner = inner
+        self._sock = inner.get_extra_info("socket")  # the TCP socket the watchdog shuts down
 
     def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
         d = _CURRENT.get()
         if d is None:
             return self._inner.read(max_bytes, timeout)
         timeout = d.left(timeout, httpcore2.ReadTimeout)
-        with d.blocking_on(self._inner):
+        d.block(self._sock)
+        try:
             data = self._inner.read(max_bytes, timeout)
+        finally:
+            d.unblock()
         d.received += len(data)
         return data
 
@@ -184,8 +185,11 @@ class _Stream(NetworkStream):
         if d is None:
             return self._inner.write(buffer, timeout)
         timeout = d.left(timeout, httpcore2.WriteTimeout)
-        with d.blocking_on(self._inner):
+        d.block(self._sock)
+        try:
             self._inner.write(buffer, timeout)
+        finally:
+            d.unblock()
         return None
 
     def close(self) -> None:
@@ -198,8 +202,11 @@ class _Stream(NetworkStream):
         if d is None:
             return _Stream(self._inner.start_tls(ssl_context, server_hostname, timeout))
         timeout = d.left(timeout, httpcore2.ConnectTimeout)
-        with d.blocking_on(self._inner):
+        d.block(self._sock)
+        try:
             return _Stream(self._inner.start_tls(ssl_context, server_hostname, timeout))
+        finally:
+            d.unblock()
 
     def get_extra_info(self, info: str) -> Any:
         return self._inner.get_extra_info(info)

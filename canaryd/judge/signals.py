@@ -56,24 +56,19 @@ class SignalFit:
     name: str
     values: tuple[float, ...]  # the K probes' values (latency: log seconds)
     loo: tuple[float, ...] = field(init=False)
+    # of the values, once: a model judges every probe of its canary with them
+    exact: bool = field(init=False, repr=False, compare=False)
+    median: float = field(init=False, repr=False, compare=False)
+    spread: float = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         floor = SIGNAL_FLOOR[self.name]
         rest = [self.values[:i] + self.values[i + 1 :] for i in range(len(self.values))]
         loo = tuple(_nonconformity(v, r, floor) for v, r in zip(self.values, rest, strict=True))
         object.__setattr__(self, "loo", loo)
-
-    @property
-    def exact(self) -> bool:
-        return self.name != "latency_s" and len(set(self.values)) == 1
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.values)
-
-    @property
-    def spread(self) -> float:
-        return max(robust_spread(self.values), SIGNAL_FLOOR[self.name])
+        object.__setattr__(self, "exact", self.name != "latency_s" and len(set(self.values)) == 1)
+        object.__setattr__(self, "median", statistics.median(self.values))
+        object.__setattr__(self, "spread", max(robust_spread(self.values), floor))
 
     @property
     def median_s(self) -> float:

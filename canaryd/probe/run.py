@@ -30,7 +30,7 @@ from canaryd.judge.stats import CalibrationError, DetectorState, NoiseModel, noi
 from canaryd.observation import ErrorKind, Observation, storable, utcnow
 from canaryd.probe import answers, learn, living, reference, vet
 from canaryd.probe.shapes import Judged, shape_of
-from canaryd.probe.workers import workers
+from canaryd.probe.workers import pulled, workers
 from canaryd.stack import configuration_of, merge_stacks, stack_hash
 from canaryd.store import Reads, Store, open_store
 
@@ -104,7 +104,7 @@ def probe_backend(
             return _missing(backend.name, canary, ErrorKind.INTERNAL, f"sending failed: {_describe(e)}")
 
     with workers("probe", backend.concurrency) as ex:
-        sent = list(ex.map(progress.counted(one), canaries))
+        sent = pulled(ex, progress.counted(one), canaries, backend.concurrency)
     answered = [obs for observations in sent for obs in observations if obs.ok]
     for obs in answered:
         obs.stack = {**stack, **obs.stack}

@@ -184,6 +184,35 @@ def test_parse_json_reads_strict_utf8_and_ignores_a_bom():
     )  # a value: the parsers judge it
 
 
+@pytest.mark.parametrize(
+    "raw",
+    [
+        json.dumps(chat_doc(lps=(-1.2e-05, -0.0, -3.5), top=(-1e-300, -99999.5))).encode(),
+        b'\xef\xbb\xbf{"a": [1, 2.5, "\xc3\xa9"]}',  # a BOM: refused by the fast reader, read by the full one
+        b'{"a": NaN, "b": -Infinity, "c": 1e400}',  # only the full reader takes these
+        b'{"a": "\\ud800", "b": "\\ud83d\\ude00"}',  # an escaped lone surrogate, and a pair
+        b'{"a": 1, "a": 2, "n": -9223372036854775808, "u": 18446744073709551615}',
+    ],
+)
+def test_parse_json_reads_bytes_as_the_standard_library_does(raw):
+    got, want = wire.parse_json(raw), json.loads(raw.decode("utf-8-sig"))
+    assert repr(got) == repr(want)  # repr: NaN is equal to nothing, and -0.0 must stay -0.0
+
+
+@pytest.mark.parametrize(
+    ("second", "kind"),
+    [(None, "NoneType"), (True, "bool"), ("2", "str"), (2.0, "float"), (18446744073709551616, "float")],
+)
+def test_a_token_id_that_is_no_integer_is_refused_naming_it(second, kind):
+    # an integer beyond 64 bits arrives as a float (the fast reader's), which the field refuses
+    doc = chat_doc()
+    doc["choices"][0]["token_ids"] = [7, second]
+    with pytest.raises(wire.InvalidResponse, match=rf"choices\.0\.token_ids\.1 has type {kind}$"):
+        wire.parse_chat(wire.parse_json(json.dumps(doc).encode()))
+    doc["choices"][0]["token_ids"] = [7]  # fewer ids than tokens: the rest have none
+    assert [t.token_id for t in wire.parse_chat(doc).tokens] == [7, None]
+
+
 def test_kept_headers_are_an_allow_list_of_exact_names_with_bounded_values():
     sent = {f"x-ratelimit-custom-{i}": "1" for i in range(300)}
     sent |= {

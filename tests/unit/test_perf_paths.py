@@ -16,6 +16,7 @@ import math
 import random
 from datetime import UTC, datetime
 
+import pytest
 from sqlalchemy import event
 
 from canaryd.canaries import load_suite
@@ -205,6 +206,43 @@ def test_a_pass_reuses_the_threads_of_the_last_one_and_passes_at_once_get_their_
     except KeyError:
         pass
     assert failing._shutdown
+
+
+def test_pulled_items_keep_their_order_run_once_each_at_most_width_at_once_on_width_threads():
+    import threading
+    import time
+
+    from canaryd.probe.workers import pulled, workers
+
+    lock, seen, running, peak, threads = threading.Lock(), [], [0], [0], set()
+
+    def work(x: int) -> int:
+        with lock:
+            seen.append(x)
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+            threads.add(threading.get_ident())
+        time.sleep(0.01 * (x % 3))  # uneven items: a free thread takes the next one
+        with lock:
+            running[0] -= 1
+        return x * x
+
+    with workers("pulled-a", 4) as ex:
+        assert pulled(ex, work, list(range(13)), 3) == [x * x for x in range(13)]
+        assert sorted(seen) == list(range(13)) and peak[0] <= 3 and len(threads) <= 3
+        assert pulled(ex, work, [], 3) == []
+
+        def failing(x: int) -> int:
+            if x == 1:
+                raise KeyError(x)
+            time.sleep(0.05)
+            seen.append(("late", x))
+            return x
+
+        seen.clear()
+        with pytest.raises(KeyError):
+            pulled(ex, failing, [0, 1, 2, 3], 2)
+        assert sorted(x for _, x in seen) == [0, 2, 3]  # raised once every other item had run
 
 
 def test_in_memory_databases_share_no_cache():
