@@ -111,7 +111,7 @@ def shown(verb: str, noun: str, *, enabled: bool = True, stream: TextIO | None =
 
 
 def counted(fn: Callable[[T], R]) -> Callable[[T], R]:
-    """``fn`` that counts a `step` each time it returns or raises (for ``executor.map``)."""
+    """``fn`` that counts a `step` each time it returns or raises (for ``executor.map``, `workers.pulled`)."""
 
     def wrapper(arg: T) -> R:
         try:
