@@ -152,7 +152,9 @@ def _token_ids(choice: dict) -> list | None:
 def _token_id(ids: list | None, i: int) -> int | None:
     if ids is None or i >= len(ids):
         return None
-    return _typed(ids[i], int, f"choices.0.token_ids.{i}", optional=False)
+    if type(value := ids[i]) is int:  # the common case, without building the field's name (a bool is no id)
+        return value
+    return _typed(value, int, f"choices.0.token_ids.{i}", optional=False)
 
 
 def _bytes(value: Any, where: str) -> tuple[int, ...] | None:
@@ -191,12 +193,8 @@ def _plain_entry(item: Any) -> tuple[str, float, tuple[int, ...] | None, tuple] 
     if alts is not None:
         if type(alts) is not list:
             return None
-        lo, hi = LOGPROB_MIN, LOGPROB_MAX
-        for alt in alts:  # `_usable`, inlined: it runs for every alternative of every token
-            if type(alt) is not dict:
-                return None
-            t, v = alt.get("token"), alt.get("logprob")
-            if not (type(t) is str and t.isascii() and type(v) is float and lo <= v <= hi):
+        for alt in alts:
+            if type(alt) is not dict or not _usable(t := alt.get("token"), v := alt.get("logprob")):
                 return None
             top.append((t, v))
     return item["token"], item["logprob"], None if raw is None else tuple(raw), tuple(top)
@@ -261,11 +259,7 @@ def _entries(content: list, ids: list | None, at: str) -> list[TokenLogprob]:
     for i, item in enumerate(content):
         if (plain := _plain_entry(item)) is not None:
             token, logprob, raw, top = plain
-            if ids is None or i >= len(ids):
-                tid = None
-            elif type(tid := ids[i]) is not int:  # `_token_id` names what is wrong (a bool is no id)
-                tid = _token_id(ids, i)
-            tokens.append(TokenLogprob(token, logprob, tid, raw, top))
+            tokens.append(TokenLogprob(token, logprob, _token_id(ids, i), raw, top))
             continue
         where = f"{at}.{i}"
         c = _typed(item, dict, where, optional=False)
