@@ -1,7 +1,8 @@
 """Where the detection race's honest alarms come from: its noise shim on honest servers alone, per deployment.
 
-`detection.py` found its tracking suite above α under the SYNTHETIC gpu-bf16 shim (21 of 1,000 honest tests at
-r = 16). This runs the same shim (`detection_shim.shim_outcomes`: each deployment draws fresh engine paths and
+`detection.py`, before its rows refit, found its tracking suite above α under the SYNTHETIC gpu-bf16 shim
+(21 of 1,000 honest tests at r = 16; none since the refits). This runs the same shim
+(`detection_shim.shim_outcomes`: each deployment draws fresh engine paths and
 a calibration over SHIM_CAL_DAYS simulated days, or ``--cal-days``; each test is a new day) on an exact
 server's answers, with no vLLM: C one-token canaries, each answering the same token with a fixed top-20 (the
 tracking suite's shape), K calibration probes each, at the race's α and its rule (`alpha_rule`). canaryd's
